@@ -1,0 +1,55 @@
+# Ballast: two commands matter. `make demo` builds the environment and runs the example pipeline end to
+# end; `make test` builds it if needed and runs the whole test suite. The rest are conveniences.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+# The embedded default: everything project-local (SQLite metadata, LocalExecutor, local storage).
+export BALLAST_HOME ?= $(CURDIR)/.ballast
+export AIRFLOW_HOME ?= $(CURDIR)/.airflow
+export AIRFLOW__CORE__DAGS_FOLDER ?= $(CURDIR)/dags
+export AIRFLOW__CORE__PLUGINS_FOLDER ?= $(CURDIR)/plugins
+export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
+export AIRFLOW__CORE__EXECUTOR ?= LocalExecutor
+export GX_ANALYTICS_ENABLED ?= False
+export TQDM_DISABLE ?= 1
+
+.PHONY: env demo test ui lint schema bench constraints clean
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $@
+
+env: $(BIN)/.installed
+
+demo: env
+	$(BIN)/ballast demo
+
+test: env
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The Airflow UI on the same homes: http://127.0.0.1:$(PORT) (no login; local development only).
+PORT ?= 8080
+ui: env
+	$(BIN)/ballast ui --port $(PORT)
+
+lint: env
+	$(BIN)/ballast lint dags/specs
+
+schema: env
+	$(BIN)/ballast schema -o spec.schema.json
+
+bench: env
+	$(BIN)/ballast bench parse --specs 50 --json bench-parse.json
+
+# Re-resolve the pinned set after changing a direct dependency (then re-check ../shared/STACK.md).
+constraints:
+	rm -rf /tmp/ballast-resolve && $(PYTHON) -m venv /tmp/ballast-resolve
+	/tmp/ballast-resolve/bin/pip install --quiet '.[test]'
+	( head -2 constraints.txt; echo 'torch==2.13.0'; /tmp/ballast-resolve/bin/pip freeze --exclude-editable \
+	  | grep -v -e '^torch==' -e '^ballast' ) > constraints.new && mv constraints.new constraints.txt
+
+clean:
+	rm -rf .airflow .ballast

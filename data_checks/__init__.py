@@ -1,0 +1,142 @@
+"""Data validation: declarative rules run with Great Expectations 1.x, called directly.
+
+Rules (from a spec's `validation.rules` or a suite file under data_checks/suites/) are plain
+mappings: `{kind, column, min, max, values, mostly}`. Array columns (images, embeddings) are checked
+through derived columns computed once with numpy: `<col>__len`, `<col>__min`, `<col>__max` and
+`<col>__finite`, so GX never iterates Python objects row by row.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+SUITES_DIR = Path(__file__).parent / "suites"
+
+
+@dataclass
+class Failure:
+    expectation: str
+    column: str | None
+    detail: str
+    unexpected_count: int | None = None
+    examples: list[Any] = field(default_factory=list)
+
+    def line(self) -> str:
+        where = f" on {self.column}" if self.column else ""
+        count = f", {self.unexpected_count} rows" if self.unexpected_count is not None else ""
+        ex = f", e.g. {self.examples[:5]}" if self.examples else ""
+        return f"{self.expectation}{where}: {self.detail}{count}{ex}"
+
+
+@dataclass
+class Report:
+    success: bool
+    evaluated: int
+    failures: list[Failure]
+    rows: int
+
+    def summary(self) -> str:
+        head = f"{len(self.failures)} of {self.evaluated} expectations failed on {self.rows} rows"
+        return "; ".join([head, *(f.line() for f in self.failures)])
+
+
+def expectations_for(rules: Iterable[dict], *, array_columns: dict[str, int]) -> list[Any]:
+    """Translate rules into GX expectation objects. `array_columns` maps an array column to its length."""
+    import great_expectations.expectations as gxe
+
+    out: list[Any] = []
+    for r in rules:
+        kind, col, mostly = r["kind"], r.get("column"), r.get("mostly", 1.0)
+        is_array = col in array_columns
+        if kind == "row_count":
+            out.append(gxe.ExpectTableRowCountToBeBetween(min_value=r.get("min"), max_value=r.get("max")))
+        elif kind == "not_null":
+            out.append(gxe.ExpectColumnValuesToNotBeNull(column=f"{col}__len" if is_array else col, mostly=mostly))
+        elif kind == "between":
+            if is_array:
+                if r.get("min") is not None:
+                    out.append(gxe.ExpectColumnValuesToBeBetween(column=f"{col}__min", min_value=r["min"], mostly=mostly))
+                if r.get("max") is not None:
+                    out.append(gxe.ExpectColumnValuesToBeBetween(column=f"{col}__max", max_value=r["max"], mostly=mostly))
+            else:
+                out.append(gxe.ExpectColumnValuesToBeBetween(column=col, min_value=r.get("min"),
+                                                              max_value=r.get("max"), mostly=mostly))
+        elif kind == "in_set":
+            out.append(gxe.ExpectColumnValuesToBeInSet(column=col, value_set=list(r["values"]), mostly=mostly))
+        elif kind == "unique":
+            out.append(gxe.ExpectColumnValuesToBeUnique(column=col, mostly=mostly))
+        elif kind == "finite":
+            out.append(gxe.ExpectColumnValuesToBeInSet(column=f"{col}__finite", value_set=[True], mostly=mostly))
+        elif kind == "shape":
+            if col not in array_columns:
+                raise ValueError(f"rule 'shape' needs an array column; {col!r} is a scalar")
+            out.append(gxe.ExpectColumnValuesToBeInSet(column=f"{col}__len", value_set=[array_columns[col]],
+                                                       mostly=mostly))
+        elif kind == "exists":
+            out.append(gxe.ExpectColumnToExist(column=f"{col}__len" if is_array else col))
+        else:
+            raise ValueError(f"unknown rule kind {kind!r}")
+    return out
+
+
+def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: str = "ballast") -> Report:
+    """Validate a pandas DataFrame (with derived array columns) against rules; never raises on bad data."""
+    os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")  # no network here; no phoning home anyway
+    os.environ.setdefault("TQDM_DISABLE", "1")              # progress bars clutter task logs
+    import great_expectations as gx
+
+    context = gx.get_context(mode="ephemeral")
+    source = context.data_sources.add_pandas(name=f"{name}_source")
+    asset = source.add_dataframe_asset(name=f"{name}_frame")
+    batch = asset.add_batch_definition_whole_dataframe(f"{name}_batch").get_batch(
+        batch_parameters={"dataframe": frame})
+    suite = gx.ExpectationSuite(name=f"{name}_suite")
+    for exp in expectations_for(rules, array_columns=array_columns):
+        suite.add_expectation(exp)
+    result = batch.validate(suite, result_format={"result_format": "SUMMARY", "partial_unexpected_count": 5})
+    failures = []
+    for res in result.results:
+        if res.success:
+            continue
+        cfg = res.expectation_config
+        kwargs = dict(cfg.kwargs)
+        info = res.result or {}
+        if res.exception_info and res.exception_info.get("raised_exception"):
+            detail = f"could not run: {res.exception_info.get('exception_message')}"
+        elif "observed_value" in info and info.get("unexpected_count") is None:
+            detail = f"observed {info['observed_value']}, expected {_bounds(kwargs)}"
+        else:
+            detail = f"expected {_bounds(kwargs)}"
+        failures.append(Failure(expectation=cfg.type, column=kwargs.get("column"), detail=detail,
+                                unexpected_count=info.get("unexpected_count"),
+                                examples=list(info.get("partial_unexpected_list") or [])))
+    return Report(success=bool(result.success), evaluated=len(result.results), failures=failures, rows=len(frame))
+
+
+def _bounds(kwargs: dict) -> str:
+    if "value_set" in kwargs:
+        vs = list(kwargs["value_set"])
+        return f"values in {vs if len(vs) <= 12 else vs[:12] + ['...']}"
+    lo, hi = kwargs.get("min_value"), kwargs.get("max_value")
+    if lo is not None or hi is not None:
+        return f"between {lo} and {hi}"
+    if kwargs.get("mostly", 1.0) < 1.0:
+        return f"at least {kwargs['mostly']:.0%} of rows passing"
+    return "every row passing"
+
+
+def load_suite(name: str) -> tuple[Path, Any]:
+    """Read data_checks/suites/<name>.yaml (a mapping with a `rules:` list); returns (path, data)."""
+    import yaml
+
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"suite name {name!r} may hold only letters, digits, '_' and '-'")
+    path = SUITES_DIR / f"{name}.yaml"
+    try:
+        return path, yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        known = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
+        raise ValueError(f"{path}: no such suite; known: {', '.join(known) or 'none'}") from None

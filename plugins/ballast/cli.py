@@ -1,0 +1,122 @@
+"""`ballast` command line: lint and schema for spec authors, demo data, the local demo, benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ballast.errors import BallastError, SpecError
+
+
+def cmd_lint(args: argparse.Namespace) -> int:
+    from ballast.spec import load_spec
+
+    failed = 0
+    paths: list[Path] = []
+    for name in args.files:
+        p = Path(name)
+        paths += sorted(p.glob("*.y*ml")) if p.is_dir() else [p]
+    for path in paths:
+        try:
+            spec = load_spec(path)
+        except SpecError as exc:
+            failed += 1
+            for line in exc.problems:
+                print(line)
+            continue
+        if not args.quiet:
+            print(f"{path}: ok ({spec.dag_id})")
+    return 1 if failed else 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from ballast.spec import json_schema
+
+    text = json.dumps(json_schema(), indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from ballast.demo import write_digits, write_synthetic
+    from ballast.storage import resolve_local
+
+    dest = resolve_local(args.dest or f"raw/{args.kind}")
+    if args.kind == "digits":
+        print(write_digits(dest))
+    else:
+        for p in write_synthetic(dest, rows=args.rows, seed=args.seed):
+            print(p)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ballast.localrun import run_demo
+
+    return run_demo(spec_name=args.spec, conf=dict(kv.split("=", 1) for kv in args.conf))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ballast.bench import run_benchmark
+
+    result = run_benchmark(args.name, args)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ballast", description="Declarative training pipelines on Airflow 3.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("lint", help="check spec files; one line per problem, non-zero exit on any")
+    s.add_argument("files", nargs="+", help="spec files or directories of specs")
+    s.add_argument("-q", "--quiet", action="store_true", help="print problems only")
+    s.set_defaults(fn=cmd_lint)
+
+    s = sub.add_parser("schema", help="print the spec's JSON Schema (for editors)")
+    s.add_argument("-o", "--output", help="write to this file instead of stdout")
+    s.set_defaults(fn=cmd_schema)
+
+    s = sub.add_parser("data", help="write demo or synthetic raw data under BALLAST_HOME")
+    s.add_argument("kind", choices=["digits", "synthetic"])
+    s.add_argument("--dest", help="directory (default BALLAST_HOME/raw/<kind>)")
+    s.add_argument("--rows", type=int, default=100_000, help="rows of synthetic data")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_data)
+
+    s = sub.add_parser("demo", help="run an example pipeline end to end through Airflow (dag.test)")
+    s.add_argument("--spec", default="digits", help="spec name in dags/specs (default digits)")
+    s.add_argument("--conf", nargs="*", default=[], metavar="KEY=VALUE", help="run parameters")
+    s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("bench", help="run a benchmark and write its JSON")
+    s.add_argument("name", choices=["parse"])
+    s.add_argument("--specs", type=int, default=50, help="parse: number of generated specs")
+    s.add_argument("--repeat", type=int, default=3, help="parse: timed repetitions (median reported)")
+    s.add_argument("--json", help="write the result JSON here")
+    s.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except BallastError as exc:
+        print(f"ballast {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Plan: the spec turned into plain data (stages, their order and settings, run parameters).
+
+No Airflow here; the renderer (`ballast.render`) turns a Plan into a DAG, and tests can check a Plan
+without Airflow at all.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from ballast.spec import Spec, get_path, overridable_field
+
+# The stages every pipeline runs, in order. Each is the module ballast.stages.<name>.
+STAGES: tuple[str, ...] = (
+    "validate", "convert", "warm_cache", "train", "verify_checkpoint", "evaluate", "publish")
+
+# Stages whose failures are about the input, not the machine: retrying cannot help.
+NO_RETRY = frozenset({"validate"})
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    name: str
+    upstream: tuple[str, ...]
+    retries: int
+    doc: str
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    key: str
+    """Parameter name in the trigger form and in `conf`."""
+    path: str
+    """Spec field it overrides."""
+    default: Any
+    schema: dict[str, Any]
+    """JSON-schema keywords for airflow.sdk.Param (type, minimum, maximum, enum, ...)."""
+    description: str
+    title: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    dag_id: str
+    spec_file: str
+    spec_data: dict[str, Any]
+    description: str
+    owner: str
+    tags: tuple[str, ...]
+    cron: str | None
+    asset: str | None
+    start_date: dt.date
+    catchup: bool
+    retries: int
+    retry_delay_seconds: float
+    stages: tuple[StagePlan, ...]
+    params: tuple[ParamPlan, ...] = field(default=())
+
+
+_DOCS = {
+    "validate": "Check the raw data with Great Expectations before anything trusts it.",
+    "convert": "Write Petastorm (Parquet) and TFRecord shards with a manifest of sizes and sha256.",
+    "warm_cache": "Copy shards to the node-local cache in stages, each file verified against the manifest.",
+    "train": "Run distributed training with torchrun; resume from the latest committed checkpoint.",
+    "verify_checkpoint": "Check the final checkpoint's manifest, hashes and tensors before anyone uses it.",
+    "evaluate": "Score the best checkpoint on the held-out test split; gate publishing on the threshold.",
+    "publish": "Write the model, its card and the run report to storage, atomically.",
+}
+
+
+def build_plan(spec: Spec, *, spec_file: str) -> Plan:
+    stages = []
+    for i, name in enumerate(STAGES):
+        stages.append(StagePlan(
+            name=name,
+            upstream=(STAGES[i - 1],) if i else (),
+            retries=0 if name in NO_RETRY else spec.recovery.retries,
+            doc=_DOCS[name],
+        ))
+    tags = tuple(dict.fromkeys(("ballast", *spec.tags)))
+    return Plan(
+        dag_id=spec.dag_id,
+        spec_file=spec_file,
+        spec_data=spec.model_dump(mode="json"),
+        description=spec.description or f"Ballast pipeline {spec.name}",
+        owner=spec.owner,
+        tags=tags,
+        cron=spec.schedule.cron,
+        asset=spec.schedule.asset,
+        start_date=spec.schedule.start_date,
+        catchup=spec.schedule.catchup,
+        retries=spec.recovery.retries,
+        retry_delay_seconds=spec.recovery.retry_delay_seconds,
+        stages=tuple(stages),
+        params=tuple(_param(spec, path) for path in spec.overridable),
+    )
+
+
+_KEYWORDS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "enum", "minLength",
+             "maxLength", "pattern")
+
+
+def _param(spec: Spec, path: str) -> ParamPlan:
+    model, name = overridable_field(path)
+    prop = dict(model.model_json_schema()["properties"][name])
+    if "anyOf" in prop:  # `X | None` -> type [x, "null"]
+        variants = prop.pop("anyOf")
+        prop["type"] = [v.get("type") for v in variants if v.get("type")]
+        for v in variants:
+            prop.update({k: v[k] for k in _KEYWORDS if k in v and k != "type"})
+    if "const" in prop:
+        prop["enum"] = [prop.pop("const")]
+    schema = {k: prop[k] for k in _KEYWORDS if k in prop}
+    key = path.rsplit(".", 1)[-1]
+    section = path.split(".")[0]
+    return ParamPlan(
+        key=key,
+        path=path,
+        default=get_path(spec, path),
+        schema=schema,
+        description=(prop.get("description") or "").replace("\n", " "),
+        title=f"{section}: {name.replace('_', ' ')}",
+    )

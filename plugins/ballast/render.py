@@ -1,0 +1,115 @@
+"""Render plans into Airflow DAGs. The only layer that imports Airflow at DAG-parse time.
+
+`build_dags(spec_dir)` is what the thin file in dags/ calls. Each good spec becomes one DAG; broken
+specs are gathered into one stand-in whose validation fails, so that Airflow shows exactly one import
+error for the DAG file, naming each broken spec's file and field, while the good DAGs still load.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import DAG, Asset, Param
+from airflow.providers.standard.operators.python import PythonOperator
+
+from ballast.errors import SpecError
+from ballast.plan import Plan, build_plan
+from ballast.spec import load_spec
+
+SPEC_SUFFIXES = (".yaml", ".yml")
+
+
+def spec_files(spec_dir: str | Path) -> list[Path]:
+    spec_dir = Path(spec_dir)
+    return sorted(p for p in spec_dir.iterdir() if p.suffix in SPEC_SUFFIXES and not p.name.startswith("."))
+
+
+def build_dags(spec_dir: str | Path) -> dict[str, DAG]:
+    """Every spec in spec_dir as a DAG, keyed by dag_id (plus the broken-spec stand-in, if any)."""
+    dags: dict[str, DAG] = {}
+    problems: list[str] = []
+    for path in spec_files(spec_dir):
+        try:
+            plan = build_plan(load_spec(path), spec_file=str(path))
+        except SpecError as exc:
+            problems.extend(exc.problems)
+            continue
+        if plan.dag_id in dags:
+            problems.append(f"{path}: name: {plan.spec_data['name']!r} is already used by another spec"
+                            f" ({dags[plan.dag_id].fileloc}); pick a unique name")
+            continue
+        dags[plan.dag_id] = render(plan)
+    if problems:
+        dags["ballast_broken_specs"] = BrokenSpecs(problems)
+    return dags
+
+
+def render(plan: Plan) -> DAG:
+    schedule: Any = None
+    if plan.cron:
+        schedule = plan.cron
+    elif plan.asset:
+        schedule = [Asset(plan.asset)]
+    params = {
+        p.key: Param(p.default, description=p.description, title=p.title, **p.schema)
+        for p in plan.params
+    }
+    with DAG(
+        dag_id=plan.dag_id,
+        description=plan.description,
+        doc_md=_doc(plan),
+        schedule=schedule,
+        start_date=dt.datetime.combine(plan.start_date, dt.time(), tzinfo=dt.timezone.utc),
+        catchup=plan.catchup,
+        tags=list(plan.tags),
+        params=params,
+        max_active_runs=1,
+        default_args={
+            "owner": plan.owner,
+            "retries": plan.retries,
+            "retry_delay": dt.timedelta(seconds=plan.retry_delay_seconds),
+        },
+    ) as dag:
+        previous = None
+        for stage in plan.stages:
+            task = PythonOperator(
+                task_id=stage.name,
+                python_callable=_run_stage,
+                op_kwargs={"stage": stage.name, "spec_data": plan.spec_data, "spec_file": plan.spec_file},
+                retries=stage.retries,
+                doc_md=stage.doc,
+            )
+            if previous is not None:
+                previous >> task
+            previous = task
+    return dag
+
+
+def _run_stage(stage: str, spec_data: dict, spec_file: str, **context: Any) -> dict:
+    # Imported here: the runner pulls in the stage module, which imports its heavy libraries.
+    from ballast.runner import run_stage
+
+    return run_stage(stage, spec_data=spec_data, spec_file=spec_file, context=context)
+
+
+def _doc(plan: Plan) -> str:
+    lines = [f"**{plan.description}**", "", f"Spec: `{plan.spec_file}`", "",
+             "| stage | what it does |", "|---|---|"]
+    lines += [f"| `{s.name}` | {s.doc} |" for s in plan.stages]
+    if plan.params:
+        lines += ["", "Trigger parameters: " + ", ".join(f"`{p.key}` ({p.path})" for p in plan.params)]
+    return "\n".join(lines)
+
+
+class BrokenSpecs(DAG):
+    """Stand-in for the specs that failed to load: its validation raises their errors, so the DAG
+    processor records one import error for the DAG file while the other DAGs are bagged as usual."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__(dag_id="ballast_broken_specs", schedule=None)
+        self._problems = problems
+
+    def validate(self) -> None:
+        raise SpecError(self._problems)

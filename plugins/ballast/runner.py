@@ -1,0 +1,51 @@
+"""Run one stage inside an Airflow task: apply run parameters, call the stage, record its result.
+
+Errors in the BallastError family are logged as one line. Those that a retry cannot fix (bad spec,
+bad data, a model below the publish threshold, a training failure classed as non-retryable) fail the
+task without retrying; the others are re-raised for Airflow's retries.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from ballast.context import RunContext
+from ballast.errors import BallastError, DataError, LaunchError, QualityGateError, SpecError
+from ballast.plan import STAGES
+from ballast.spec import apply_overrides, parse_spec
+
+log = logging.getLogger("ballast")
+
+
+def effective_spec(spec_data: dict, spec_file: str, params: Any):
+    spec = parse_spec(spec_data, source=spec_file)
+    keys = {p.rsplit(".", 1)[-1] for p in spec.overridable}
+    overrides = {k: params[k] for k in keys if params is not None and k in params}
+    return apply_overrides(spec, overrides, source=f"{spec_file} (with run parameters)") if overrides else spec
+
+
+def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str, Any]) -> dict[str, Any]:
+    if stage not in STAGES:
+        raise SpecError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    try:
+        spec = effective_spec(spec_data, spec_file, context.get("params"))
+        ti = context.get("ti")
+        ctx = RunContext(spec=spec, dag_id=context["dag"].dag_id, run_id=context["run_id"],
+                         try_number=getattr(ti, "try_number", 1) or 1, log=logging.getLogger(f"ballast.{stage}"))
+        if stage == STAGES[0]:
+            ctx.storage.write_bytes(f"{ctx.run_key}/spec.json", spec.model_dump_json(indent=2).encode())
+        module = importlib.import_module(f"ballast.stages.{stage}")
+        result = module.run(ctx)
+        ctx.save_result(stage, result)
+        return result
+    except BallastError as exc:
+        log.error("%s failed: %s", stage, exc)
+        fatal = isinstance(exc, (SpecError, DataError, QualityGateError)) or (
+            isinstance(exc, LaunchError) and not exc.retryable)
+        if fatal:
+            from airflow.sdk.exceptions import AirflowFailException
+
+            raise AirflowFailException(f"{stage}: {exc}") from None
+        raise

@@ -1,0 +1,636 @@
+"""The Ballast spec: one YAML file parsed once into a typed, frozen model.
+
+No Airflow, no I/O beyond reading the file, no heavy imports: this module runs at DAG-parse time.
+Unknown keys are rejected. Single-field rules sit beside their field; rules that tie fields together
+sit in the `_check_*` validators of the model that owns both. Every problem is reported as one line:
+``FILE:LINE: field.path: what is wrong (got VALUE); fix``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ballast.errors import SpecError
+from training.models import MODEL_NAMES
+
+SPEC_VERSION = 1
+NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
+FieldType = Literal["float32", "float64", "int32", "int64", "uint8", "bool", "string"]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+# --- dataset -----------------------------------------------------------------------------------
+
+
+class FieldSpec(_Model):
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Column name in the raw data."""
+    type: FieldType
+    """Element type. Array fields are stored flattened, row-major."""
+    shape: tuple[PositiveInt, ...] = ()
+    """Shape of one value; `[]` for a scalar, e.g. `[8, 8]` for an 8x8 image."""
+
+
+class SplitSpec(_Model):
+    validation: float = Field(0.1, ge=0.0, lt=0.5)
+    """Fraction of rows held out for per-epoch validation (early stopping)."""
+    test: float = Field(0.1, gt=0.0, lt=0.5)
+    """Fraction of rows held out for the final evaluation; never seen in training."""
+    seed: int = 0
+    """Seed of the deterministic row-to-split assignment."""
+
+
+class DatasetSpec(_Model):
+    location: str = Field(min_length=1)
+    """Raw data: a Parquet file or directory of Parquet files; a path relative to BALLAST_HOME,
+    an absolute path, or an s3:// URI read with the storage connection."""
+    format: Literal["parquet"] = "parquet"
+    """Format of the raw data."""
+    fields: tuple[FieldSpec, ...] = Field(min_length=1)
+    """Schema: every column the pipeline reads, with type and shape."""
+    label: str
+    """Name of the label column (an integer class id)."""
+    num_classes: int = Field(ge=2, le=100_000)
+    """Number of classes; labels must lie in [0, num_classes)."""
+    split: SplitSpec = SplitSpec()
+    """How rows are divided into train, validation and test."""
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> DatasetSpec:
+        names = [f.name for f in self.fields]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"fields: duplicate field name(s) {', '.join(dupes)}")
+        if self.label not in names:
+            raise ValueError(f"label: {self.label!r} is not one of the fields ({', '.join(names)})")
+        label = next(f for f in self.fields if f.name == self.label)
+        if label.type not in ("int32", "int64", "uint8") or label.shape:
+            raise ValueError(f"label: field {self.label!r} must be a scalar integer (got {label.type} {list(label.shape)})")
+        if len(names) != 2:
+            raise ValueError(f"fields: need exactly one feature field besides the label (got {len(names) - 1});"
+                             " models with several inputs are not supported yet")
+        return self
+
+    @property
+    def features(self) -> tuple[FieldSpec, ...]:
+        return tuple(f for f in self.fields if f.name != self.label)
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+RuleKind = Literal["not_null", "between", "in_set", "row_count", "unique", "finite", "shape"]
+
+
+class RuleSpec(_Model):
+    kind: RuleKind
+    """What to check: not_null, between (min/max), in_set (values), row_count (min/max), unique,
+    finite (no NaN/Inf in a numeric or array column), shape (array length matches the schema)."""
+    column: str | None = None
+    """The column checked; not used by row_count."""
+    min: float | None = None
+    """Lower bound (between, row_count)."""
+    max: float | None = None
+    """Upper bound (between, row_count)."""
+    values: tuple[int | float | str | bool, ...] | None = None
+    """Allowed values (in_set)."""
+    mostly: float = Field(1.0, gt=0.0, le=1.0)
+    """Fraction of rows that must pass."""
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> RuleSpec:
+        if self.kind == "row_count":
+            if self.column is not None:
+                raise ValueError("column: row_count checks the whole table; remove column")
+        elif self.column is None:
+            raise ValueError(f"column: rule {self.kind!r} needs a column")
+        if self.kind in ("between", "row_count") and self.min is None and self.max is None:
+            raise ValueError(f"rule {self.kind!r} needs min, max or both")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
+        if self.kind == "in_set" and not self.values:
+            raise ValueError("values: rule 'in_set' needs a non-empty list of values")
+        return self
+
+
+class ValidationSpec(_Model):
+    rules: tuple[RuleSpec, ...] = ()
+    """Checks declared in the spec, run with Great Expectations before anything else."""
+    suites: tuple[str, ...] = ()
+    """Names of suite files under data_checks/suites/ (without .yaml) to run as well."""
+    schema_checks: bool = True
+    """Also check that every schema field exists, is not null and has its declared shape."""
+
+
+# --- conversion and cache --------------------------------------------------------------------------
+
+
+class ConversionSpec(_Model):
+    formats: tuple[Literal["petastorm", "tfrecord"], ...] = ("petastorm", "tfrecord")
+    """Packed formats to write: petastorm (Parquet readable by petastorm) and/or tfrecord."""
+    shard_rows: int = Field(1000, ge=1, le=10_000_000)
+    """Rows per output shard."""
+    engine: Literal["arrow"] = "arrow"
+    """Conversion engine; `arrow` runs in one process."""
+
+    @field_validator("formats")
+    @classmethod
+    def _unique_formats(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("list at least one format: petastorm, tfrecord")
+        if len(set(v)) != len(v):
+            raise ValueError(f"formats listed twice: {list(v)}")
+        return v
+
+
+class CacheStageSpec(_Model):
+    name: str = Field(pattern=NAME_PATTERN)
+    """Stage name, shown in the task log."""
+    fraction: float = Field(gt=0.0, le=1.0)
+    """Cumulative fraction of the training shards cached once this stage is done."""
+
+
+class CacheSpec(_Model):
+    directory: str | None = None
+    """Node-local cache directory; default BALLAST_HOME/cache."""
+    stages: tuple[CacheStageSpec, ...] = (
+        CacheStageSpec(name="first_steps", fraction=0.25),
+        CacheStageSpec(name="rest", fraction=1.0),
+    )
+    """Stages in order; the last must reach fraction 1.0. Validation and test shards come last."""
+    max_bytes: int | None = Field(None, ge=1)
+    """Byte budget of the cache; warming refuses to start a stage that would exceed it."""
+    concurrency: int = Field(4, ge=1, le=64)
+    """Parallel downloads."""
+
+    @field_validator("stages")
+    @classmethod
+    def _stages_increase(cls, v: tuple[CacheStageSpec, ...]) -> tuple[CacheStageSpec, ...]:
+        if not v:
+            raise ValueError("list at least one stage")
+        fractions = [s.fraction for s in v]
+        if any(b <= a for a, b in zip(fractions, fractions[1:])):
+            raise ValueError(f"stage fractions must increase (got {fractions})")
+        if fractions[-1] != 1.0:
+            raise ValueError(f"the last stage must have fraction 1.0 (got {fractions[-1]})")
+        return v
+
+
+# --- training --------------------------------------------------------------------------------------
+
+
+class CheckpointSpec(_Model):
+    every_steps: int | None = Field(None, ge=1)
+    """Save every N optimizer steps (in addition to every_seconds and the end of each epoch)."""
+    every_seconds: float = Field(3600.0, gt=0)
+    """Save at least this often (seed documents: hourly)."""
+    keep_last: int = Field(3, ge=1, le=100)
+    """Committed checkpoints kept, besides the best one."""
+
+
+class TrainingSpec(_Model):
+    model: str
+    """Architecture from the closed registry (training/models.py)."""
+    hidden_size: int = Field(128, ge=1, le=65536)
+    """Width of the hidden layers."""
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    """Dropout probability."""
+    nodes: int = Field(1, ge=1, le=4096)
+    """Machines (pods) taking part."""
+    processes_per_node: int = Field(2, ge=1, le=64)
+    """Training processes per machine (one per GPU on GPU machines)."""
+    micro_batch_size: int = Field(ge=1, le=65536)
+    """Samples per process per forward/backward pass."""
+    global_batch_size: int = Field(ge=1, le=16_777_216)
+    """Samples per optimizer step over all processes; kept fixed when the micro-batch changes."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision; bf16/fp16 use autocast (fp32 on CPU where autocast does not apply)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+    learning_rate: float = Field(gt=0.0, le=10.0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """Decoupled weight decay."""
+    epochs: int = Field(ge=1, le=100_000)
+    """Upper bound on epochs; early stopping may end sooner."""
+    grad_clip_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping max norm (seed documents: 1.0)."""
+    seed: int = 0
+    """Seed of model init, shuffling and dropout."""
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    """When checkpoints are written and how many are kept."""
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        if v not in MODEL_NAMES:
+            raise ValueError(f"unknown model {v!r}; known: {', '.join(MODEL_NAMES)}")
+        return v
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainingSpec:
+        step = self.micro_batch_size * self.world_size
+        if self.global_batch_size % step:
+            raise ValueError(
+                f"global_batch_size: must be a multiple of micro_batch_size x processes_per_node x nodes"
+                f" = {self.micro_batch_size} x {self.processes_per_node} x {self.nodes} = {step}"
+                f" (got {self.global_batch_size})")
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+
+class RecoverySpec(_Model):
+    retries: int = Field(3, ge=0, le=50)
+    """Airflow retries of each task (seed documents: at most 3 after out-of-memory)."""
+    retry_delay_seconds: float = Field(30.0, ge=0.0, le=86_400)
+    """Wait before a retry."""
+    max_restarts: int = Field(0, ge=0, le=100)
+    """torchrun restarts of the process group within one try."""
+    oom_micro_batch_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """After an out-of-memory failure the next try multiplies the micro-batch by this factor
+    (global batch kept through gradient accumulation)."""
+
+
+class EvaluationSpec(_Model):
+    metric: Literal["accuracy", "loss"] = "accuracy"
+    """Metric on the validation split for early stopping, and on the test split for publishing."""
+    mode: Literal["max", "min"] = "max"
+    """Whether a larger or a smaller metric is better."""
+    patience: int = Field(3, ge=1, le=1000)
+    """Epochs without improvement before training stops (seed documents: 3)."""
+    min_delta: float = Field(0.0, ge=0.0)
+    """Smallest change that counts as an improvement."""
+    threshold: float | None = None
+    """Publish only if the test metric is at least (max) / at most (min) this value."""
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> EvaluationSpec:
+        natural = {"accuracy": "max", "loss": "min"}[self.metric]
+        if self.mode != natural:
+            raise ValueError(f"mode: metric {self.metric!r} improves when it goes {natural}; set mode: {natural}")
+        return self
+
+
+class ScheduleSpec(_Model):
+    cron: str | None = None
+    """Cron expression or preset (@daily) for periodic retraining."""
+    asset: str | None = None
+    """Asset URI (e.g. s3://bucket/raw/digits): retrain when a producer updates it."""
+    start_date: dt.date = dt.date(2026, 1, 1)
+    """First logical date."""
+    catchup: bool = False
+    """Run the intervals missed since start_date."""
+
+    @field_validator("cron")
+    @classmethod
+    def _valid_cron(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        presets = {"@once", "@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@annually"}
+        if v.startswith("@"):
+            if v not in presets:
+                raise ValueError(f"unknown preset {v!r}; use one of {', '.join(sorted(presets))}")
+            return v
+        parts = v.split()
+        if len(parts) != 5 or not all(re.fullmatch(r"[0-9*/,\-A-Za-z?LW#]+", p) for p in parts):
+            raise ValueError(f"not a 5-field cron expression: {v!r} (e.g. '0 3 * * 1')")
+        return v
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> ScheduleSpec:
+        if self.cron and self.asset:
+            raise ValueError("set cron or asset, not both")
+        return self
+
+
+class StorageSpec(_Model):
+    uri: str = "storage"
+    """Where datasets, checkpoints and models live: a path (relative to BALLAST_HOME) or s3://bucket/prefix."""
+    conn_id: str | None = None
+    """Airflow connection with S3 credentials and endpoint; default: the standard AWS environment."""
+
+    @field_validator("uri")
+    @classmethod
+    def _valid_uri(cls, v: str) -> str:
+        if "://" in v and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", v):
+            raise ValueError(f"must be a local path or s3://bucket/prefix (got {v!r})")
+        return v
+
+
+class KubernetesSpec(_Model):
+    image: str = Field(min_length=1)
+    """Training image (built from docker/training.Dockerfile)."""
+    namespace: str = "default"
+    """Namespace of the training pods."""
+    service_account: str | None = None
+    """Service account of the training pods."""
+    cpu: str = "2"
+    """CPU request per pod."""
+    memory: str = "8Gi"
+    """Memory request per pod."""
+    gpus_per_node: int = Field(0, ge=0, le=16)
+    """nvidia.com/gpu limit per pod."""
+
+
+class ExecutionSpec(_Model):
+    backend: Literal["local", "kubernetes"] = "local"
+    """Where training runs: `local` (torchrun on the worker) or `kubernetes` (one pod per node)."""
+    kubernetes: KubernetesSpec | None = None
+    """Pod settings; required when backend is kubernetes."""
+    hang_timeout_seconds: float = Field(1800.0, gt=0)
+    """Training attempt without a finished epoch for this long counts as hung and is ended."""
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> ExecutionSpec:
+        if self.backend == "kubernetes" and self.kubernetes is None:
+            raise ValueError("kubernetes: backend 'kubernetes' needs a kubernetes section with at least image")
+        return self
+
+
+# --- the spec --------------------------------------------------------------------------------------
+
+
+class Spec(_Model):
+    version: Literal[1] = 1
+    """Spec format version."""
+    name: str = Field(pattern=NAME_PATTERN)
+    """Pipeline name; the DAG id is `ballast_<name>`."""
+    description: str = ""
+    """Shown on the DAG page."""
+    owner: str = "ballast"
+    """DAG owner."""
+    tags: tuple[str, ...] = ()
+    """DAG tags (`ballast` is always added)."""
+    dataset: DatasetSpec
+    validation: ValidationSpec = ValidationSpec()
+    conversion: ConversionSpec = ConversionSpec()
+    cache: CacheSpec = CacheSpec()
+    training: TrainingSpec
+    recovery: RecoverySpec = RecoverySpec()
+    evaluation: EvaluationSpec = EvaluationSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    storage: StorageSpec = StorageSpec()
+    execution: ExecutionSpec = ExecutionSpec()
+    overridable: tuple[str, ...] = ()
+    """Dotted field paths (e.g. training.learning_rate) a person may change when triggering a run.
+    Each becomes a run parameter named after its last part."""
+
+    @property
+    def dag_id(self) -> str:
+        return f"ballast_{self.name}"
+
+    @model_validator(mode="after")
+    def _check_cross(self) -> Spec:
+        names = {f.name for f in self.dataset.fields}
+        for i, rule in enumerate(self.validation.rules):
+            if rule.column is not None and rule.column not in names:
+                raise ValueError(f"validation.rules[{i}].column: {rule.column!r} is not a dataset field"
+                                 f" ({', '.join(sorted(names))})")
+        leaves: dict[str, str] = {}
+        for path in self.overridable:
+            info = overridable_field(path)  # raises ValueError naming the path
+            leaf = path.rsplit(".", 1)[-1]
+            if leaf in leaves:
+                raise ValueError(f"overridable: {path!r} and {leaves[leaf]!r} would both be parameter {leaf!r}")
+            leaves[leaf] = path
+            del info
+        return self
+
+
+# --- overridable fields ------------------------------------------------------------------------------
+
+_SCALARS = (int, float, str, bool)
+
+
+def overridable_field(path: str) -> tuple[type[BaseModel], str]:
+    """Resolve a dotted path to (owning model class, field name); only scalar fields qualify."""
+    model: type[BaseModel] = Spec
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            raise ValueError(f"overridable: {path!r} is not a spec field ({'.'.join(parts[:i + 1])} unknown)")
+        ann = field.annotation
+        if i < len(parts) - 1:
+            if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+                raise ValueError(f"overridable: {path!r}: {'.'.join(parts[:i + 1])} has no sub-fields")
+            model = ann
+        else:
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                raise ValueError(f"overridable: {path!r} is a section; name one of its fields")
+            if getattr(ann, "__origin__", None) is tuple:
+                raise ValueError(f"overridable: {path!r} is a list; only single values can be overridden")
+            return model, part
+    raise ValueError(f"overridable: empty path {path!r}")
+
+
+def get_path(spec: Spec, path: str) -> Any:
+    value: Any = spec
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def apply_overrides(spec: Spec, overrides: dict[str, Any], *, source: str = "run parameters") -> Spec:
+    """Return a new spec with `{leaf: value}` overrides applied to the overridable paths, re-validated."""
+    by_leaf = {p.rsplit(".", 1)[-1]: p for p in spec.overridable}
+    unknown = sorted(set(overrides) - set(by_leaf))
+    if unknown:
+        raise SpecError(f"{source}: unknown parameter(s) {', '.join(unknown)}; allowed: {', '.join(sorted(by_leaf)) or 'none'}")
+    data = spec.model_dump(mode="json")
+    for leaf, value in overrides.items():
+        *head, last = by_leaf[leaf].split(".")
+        node = data
+        for part in head:
+            node = node[part]
+        node[last] = value
+    return parse_spec(data, source=source)
+
+
+# --- loading and error reporting ---------------------------------------------------------------------
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate one spec file. Raises SpecError with one line per problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read spec ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{where}: invalid YAML: {problem}") from exc
+    return parse_spec(data, source=str(path), text=text)
+
+
+def parse_spec(data: Any, *, source: str = "<spec>", text: str | None = None) -> Spec:
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise SpecError(f"{source}: a spec is a YAML mapping of sections (dataset, training, ...); this file is {kind}")
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as exc:
+        lines = _line_index(text) if text else {}
+        raise SpecError([_format_error(source, err, lines) for err in exc.errors()]) from exc
+
+
+def _format_error(source: str, err: dict[str, Any], lines: dict[tuple, int]) -> str:
+    loc = tuple(err["loc"])
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    value = err.get("input")
+    msg = err["msg"]
+    if kind == "value_error":
+        msg = str(ctx.get("error", msg))
+        # A model-level check may name a sub-field: "label: 'x' is not ..." -> loc + label.
+        head, sep, rest = msg.partition(": ")
+        if sep and re.fullmatch(r"[a-z_][a-z0-9_.\[\]]*", head):
+            loc = loc + tuple(head.split("."))
+            msg = rest
+        value = _NOVALUE
+    elif kind == "extra_forbidden":
+        msg = f"unknown key {loc[-1]!r}"
+        allowed = _allowed_keys(loc[:-1])
+        if allowed:
+            msg += f"; allowed here: {', '.join(allowed)}"
+        value = _NOVALUE
+    elif kind == "missing":
+        msg = "required field is missing"
+        value = _NOVALUE
+    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()))
+        msg = f"must be {op} {bound}"
+    elif kind == "literal_error":
+        msg = f"must be one of {ctx.get('expected')}"
+    elif kind in ("int_parsing", "int_type", "int_from_float"):
+        msg = "must be an integer"
+    elif kind in ("float_parsing", "float_type"):
+        msg = "must be a number"
+    elif kind in ("string_type",):
+        msg = "must be a string"
+    elif kind in ("bool_parsing", "bool_type"):
+        msg = "must be true or false"
+    elif kind in ("model_type", "model_attributes_type", "dict_type"):
+        msg = "must be a mapping of keys"
+    elif kind in ("tuple_type", "list_type"):
+        msg = "must be a list"
+    elif kind == "string_pattern_mismatch":
+        msg = f"must match {ctx.get('pattern')}"
+    elif kind in ("too_short", "string_too_short"):
+        msg = "must not be empty"
+    else:
+        msg = msg[0].lower() + msg[1:] if msg else kind
+    field = _dotted(loc) or "(top level)"
+    line = _nearest_line(lines, loc)
+    where = f"{source}:{line}" if line else source
+    got = "" if value is _NOVALUE else f" (got {_short(value)})"
+    return f"{where}: {field}: {msg}{got}"
+
+
+_NOVALUE = object()
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.startswith("[") and part.endswith("]"):
+            out += part
+        else:
+            # pydantic adds the union member's type name as a loc element; drop it.
+            if part in ("str", "int", "float", "bool", "KubernetesSpec"):
+                continue
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    model: Any = Spec
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        candidates = [ann, *args]
+        nested = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not nested:
+            for a in args:  # tuple[Model, ...]
+                if isinstance(a, type) and issubclass(a, BaseModel):
+                    nested = [a]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(getattr(model, "model_fields", {}))
+
+
+def _line_index(text: str) -> dict[tuple, int]:
+    """Map each key/item path in the YAML document to its 1-based line number."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    index: dict[tuple, int] = {}
+
+    def walk(node: Any, path: tuple) -> None:
+        index[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                kpath = path + (key.value,)
+                walk(value, kpath)
+                index[kpath] = key.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    if root is not None:
+        walk(root, ())
+    return index
+
+
+def _nearest_line(index: dict[tuple, int], loc: tuple) -> int | None:
+    loc = tuple(p for p in loc if not (isinstance(p, str) and p in ("str", "int", "float", "bool")))
+    while loc:
+        if loc in index:
+            return index[loc]
+        loc = loc[:-1]
+    return None
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema of the spec, for editors (yaml-language-server) and `ballast schema`."""
+    schema = Spec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "Ballast training pipeline spec"
+    return schema

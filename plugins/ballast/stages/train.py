@@ -1,0 +1,123 @@
+"""Stage 4: distributed training through torchrun, resuming from the latest committed checkpoint.
+
+Each try reads the previous try's failure record (training/failure.py) and adapts: after an
+out-of-memory failure the micro-batch shrinks by `recovery.oom_micro_batch_factor` while the global
+batch stays fixed. A training process that shows no progress for `execution.hang_timeout_seconds` is
+ended and reported as a hang. Failures a retry cannot fix (bad config, bad data, a bug) fail the task
+without retrying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from ballast.context import RunContext
+from ballast.errors import LaunchError
+from ballast.launch import adapt_micro_batch, run_config, torchrun_argv
+
+
+def run(ctx: RunContext) -> dict:
+    from training.failure import RETRYABLE, read_record
+
+    spec = ctx.spec
+    if spec.execution.backend != "local":
+        raise LaunchError(f"execution.backend: {spec.execution.backend!r} launching is not available in this"
+                          f" release; use backend: local", failure_class="config", retryable=False)
+    cache = ctx.result("warm_cache")
+    work = ctx.work_dir
+    out_dir, ckpt_dir = work / "train", work / "checkpoints"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # Adapt to the previous try's failure.
+    state_file = out_dir / "adapt.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    micro = state.get("micro_batch_size", spec.training.micro_batch_size)
+    prev = read_record(out_dir)
+    if prev is not None:
+        ctx.log.warning("previous try failed: %s (class %s, rank %s, step %s)", prev["exception"], prev["class"],
+                        prev["rank"], prev["step"])
+        if prev["class"] == "oom":
+            smaller = adapt_micro_batch(spec, micro, spec.recovery.oom_micro_batch_factor)
+            ctx.log.warning("out of memory last time: micro-batch %d -> %d (global batch %d kept)", micro, smaller,
+                            spec.training.global_batch_size)
+            micro = smaller
+        os.replace(out_dir / "failure.json", out_dir / f"failure-{int(prev['time'])}.json")
+    state_file.write_text(json.dumps({"micro_batch_size": micro}))
+
+    cfg = run_config(spec, data_dir=cache["cache_dir"], data_format=cache["format"], checkpoint_dir=str(ckpt_dir),
+                     output_dir=str(out_dir), micro_batch_size=micro)
+    config_path = out_dir / "run.json"
+    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
+    ctx.log.info("launching: %s", " ".join(argv))
+    rc, hung = _supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds)
+    if rc != 0:
+        record = read_record(out_dir)
+        if hung:
+            raise LaunchError(f"training hung: no progress for {spec.execution.hang_timeout_seconds:.0f}s;"
+                              f" ended (execution.hang_timeout_seconds)", failure_class="hang")
+        if record is None:
+            raise LaunchError(f"torchrun exited {rc} without a failure record (killed? see the log above)",
+                              failure_class="unknown")
+        cls = record["class"]
+        raise LaunchError(f"training failed on rank {record['rank']} at step {record['step']}: {record['exception']}"
+                          f" (class {cls}, exit code {record['exit_code']})",
+                          failure_class=cls, retryable=cls in RETRYABLE)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    best = summary["best"] or {}
+    ctx.log.info("training done: %d epochs, %d steps, best val %s %.4f at step %s%s", summary["epochs"],
+                 summary["steps"], spec.evaluation.metric, best.get("value", float("nan")), best.get("step"),
+                 " (stopped early)" if summary["stopped_early"] else "")
+    return {"summary": str(out_dir / "summary.json"), "checkpoint_dir": str(ckpt_dir),
+            "best_checkpoint": summary["best_checkpoint"], "last_checkpoint": summary["last_checkpoint"],
+            "epochs": summary["epochs"], "steps": summary["steps"], "stopped_early": summary["stopped_early"],
+            "best": best, "micro_batch_size": micro}
+
+
+def _supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: float) -> tuple[int, bool]:
+    """Run torchrun in its own process group, relaying its output; end it if the heartbeat stalls."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+
+    def relay() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            ctx.log.info("%s", line.rstrip())
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    heartbeat = out_dir / "heartbeat"
+    started = time.time()
+    hung = False
+    try:
+        while proc.poll() is None:
+            time.sleep(1.0)
+            last = max(started, heartbeat.stat().st_mtime if heartbeat.exists() else 0.0)
+            if time.time() - last > hang_timeout:
+                hung = True
+                ctx.log.error("no training progress for %.0fs; ending the process group", hang_timeout)
+                _kill_group(proc)
+                break
+    except BaseException:
+        _kill_group(proc)  # the task itself is being stopped: take the trainers down with it
+        raise
+    rc = proc.wait()
+    reader.join(timeout=5)
+    return rc, hung
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # SIGTERM first: trainers checkpoint on it
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,50 @@
+"""Entry point: `torchrun ... -m training --config run.json`.
+
+Exit codes follow training.failure.EXIT_CODES; on failure a failure.json record is written to the
+run's output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from training.failure import EXIT_CODES, TrainingFailure, classify, write_record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
+    parser.add_argument("--config", required=True, help="run config JSON written by the orchestrator")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    out_dir = None
+    trainer = None
+    try:
+        from training.config import RunConfig
+
+        cfg = RunConfig.load(args.config)
+        out_dir = Path(cfg.output_dir)
+        from training.trainer import Trainer
+
+        trainer = Trainer(cfg)
+        trainer.run()
+        trainer.dist.close()
+        return 0
+    except (Exception, KeyboardInterrupt) as exc:
+        cls = classify(exc)
+        step = trainer.step if trainer is not None else None
+        if out_dir is not None:
+            write_record(out_dir, exc, step=step, rank=rank)
+        msg = str(exc) if isinstance(exc, TrainingFailure) else f"{type(exc).__name__}: {exc}"
+        print(f"[train] rank {rank} failed ({cls}, exit {EXIT_CODES[cls]}): {msg}", file=sys.stderr, flush=True)
+        if cls == "user_code":
+            import traceback
+
+            traceback.print_exc()
+        return EXIT_CODES[cls]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

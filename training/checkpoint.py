@@ -1,0 +1,190 @@
+"""Committed checkpoints: the one predicate for "this checkpoint may be trusted".
+
+Layout of a checkpoint directory `step-00000040/`:
+    model.pt, optim.pt     rank 0's model and optimizer state (tensors only; loaded with weights_only=True)
+    rng-rank<R>.pt         every rank's RNG state
+    trainer.json           step, epoch, position in the epoch, metric history, early-stopping state
+    manifest.json          size and sha256 of every file above
+    COMMITTED              written last, after the directory got its final name
+
+A save writes into `.step-00000040.tmp/`, fsyncs every file, writes the manifest, renames the
+directory and then writes COMMITTED. A directory without COMMITTED, or whose files do not match its
+manifest, is invisible to `latest_valid` and refused by `verify`: a kill at any moment of a save
+leaves the previous checkpoint as the latest valid one.
+
+Importing this module does not import torch (the verification stage uses it at DAG-run time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from training.failure import TrainingFailure
+
+COMMIT_MARKER = "COMMITTED"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(TrainingFailure):
+    failure_class = "data"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_committed(path: Path) -> bool:
+    """Cheap check: the commit marker and the manifest are there."""
+    path = Path(path)
+    return bool(_STEP_DIR.match(path.name)) and (path / COMMIT_MARKER).is_file() and (path / MANIFEST).is_file()
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Full check: committed, and every file matches the manifest's size and sha256. Returns the manifest."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not (path / COMMIT_MARKER).is_file():
+        raise CheckpointError(f"{path}: no {COMMIT_MARKER} marker; the save never finished, so it is not trusted")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path / MANIFEST}: unreadable checkpoint manifest ({exc})") from exc
+    for name, meta in files.items():
+        f = path / name
+        if "/" in name or name.startswith("."):
+            raise CheckpointError(f"{path / MANIFEST}: file name {name!r} is not allowed")
+        if not f.is_file():
+            raise CheckpointError(f"{f}: listed in the manifest but missing")
+        if f.stat().st_size != meta["size"]:
+            raise CheckpointError(f"{f}: size {f.stat().st_size} does not match the manifest ({meta['size']}); truncated?")
+        if sha256_file(f) != meta["sha256"]:
+            raise CheckpointError(f"{f}: sha256 does not match the manifest; the file was changed or corrupted")
+    return manifest
+
+
+def committed(root: Path) -> list[Path]:
+    """Committed checkpoints under root, oldest first (cheap check only)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if is_committed(p)]
+    return sorted(dirs, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_valid(root: Path, log=print) -> Path | None:
+    """Newest checkpoint that is committed and verifies; damaged ones are reported and skipped."""
+    for path in reversed(committed(root)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as exc:
+            log(f"checkpoint skipped: {exc}")
+    return None
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "trainer.json").read_text())
+
+
+def load_tensors(path: Path) -> Any:
+    """Load a tensor file without unpickling arbitrary objects."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for a bad file
+        raise CheckpointError(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc
+
+
+class Writer:
+    """Writes one checkpoint cooperatively from every rank (call the methods on all ranks in order)."""
+
+    def __init__(self, root: Path, step: int, *, rank: int, barrier):
+        self.root = Path(root)
+        self.step = step
+        self.rank = rank
+        self.barrier = barrier
+        self.final = self.root / step_dir_name(step)
+        self.tmp = self.root / f".{step_dir_name(step)}.tmp"
+
+    def begin(self) -> None:
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if self.tmp.exists():
+                shutil.rmtree(self.tmp)  # left by a save that was killed
+            self.tmp.mkdir()
+        self.barrier()
+
+    def write_tensors(self, name: str, obj: Any) -> None:
+        import torch
+
+        path = self.tmp / name
+        with open(path, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def write_json(self, name: str, obj: Any) -> None:
+        path = self.tmp / name
+        with open(path, "w") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def commit(self) -> Path:
+        self.barrier()  # every rank has written and fsynced its files
+        if self.rank == 0:
+            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                     for p in sorted(self.tmp.iterdir()) if p.is_file()}
+            self.write_json(MANIFEST, {"step": self.step, "created": time.time(), "files": files})
+            _fsync_dir(self.tmp)
+            if self.final.exists():  # same step saved again after a resume: replace it
+                shutil.rmtree(self.final)
+            os.rename(self.tmp, self.final)
+            marker = self.final / f".{COMMIT_MARKER}.tmp"
+            marker.write_text(f"{self.step}\n")
+            os.replace(marker, self.final / COMMIT_MARKER)
+            _fsync_dir(self.final)
+            _fsync_dir(self.root)
+        self.barrier()
+        return self.final
+
+
+def prune(root: Path, *, keep_last: int, keep: set[int] = frozenset()) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep_last`, except steps in `keep` (the best)."""
+    done = committed(root)
+    removed = []
+    for path in done[:-keep_last] if keep_last else done:
+        step = int(_STEP_DIR.match(path.name).group(1))
+        if step in keep:
+            continue
+        (path / COMMIT_MARKER).unlink(missing_ok=True)  # uncommit first: a partial delete is never trusted
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

@@ -1,0 +1,83 @@
+"""The run config: what the orchestrator hands a training process (a JSON file).
+
+Plain dataclass so that the training image needs neither Airflow nor Ballast's spec model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training.failure import ConfigError
+from training.models import MODEL_NAMES
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    # model
+    model: str
+    hidden_size: int = 128
+    dropout: float = 0.1
+    input_shape: list[int]
+    num_classes: int
+    feature: str
+    label: str
+    # data: a cache directory holding manifest.json and the shards it lists
+    data_dir: str
+    data_format: str = "petastorm"
+    # batch and optimisation
+    micro_batch_size: int
+    grad_accum_steps: int = 1
+    optimizer: str = "adamw"
+    learning_rate: float
+    weight_decay: float = 0.01
+    grad_clip_norm: float = 1.0
+    precision: str = "fp32"
+    epochs: int
+    seed: int = 0
+    # evaluation and early stopping (on the validation split)
+    metric: str = "accuracy"
+    mode: str = "max"
+    patience: int = 3
+    min_delta: float = 0.0
+    # checkpoints and outputs
+    checkpoint_dir: str
+    output_dir: str
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_seconds: float = 3600.0
+    keep_last: int = 3
+    # distributed
+    backend: str = "auto"
+    dist_timeout_seconds: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_NAMES:
+            raise ConfigError(f"model: unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"optimizer: unknown optimizer {self.optimizer!r}; known: adamw, sgd")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"precision: must be fp32, bf16 or fp16 (got {self.precision!r})")
+        for name in ("micro_batch_size", "grad_accum_steps", "epochs", "keep_last", "patience"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: cannot read run config ({exc})") from exc
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown run config key(s): {', '.join(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True))

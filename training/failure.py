@@ -1,0 +1,106 @@
+"""Why a training process died: failure classes, their exit codes, and the failure record.
+
+The contract with the orchestrator: on failure, the failing rank writes `failure.json` in the run's
+output directory and the process exits with the class's code. torchrun itself exits 1 whenever a
+worker fails, so the orchestrator reads the record, not torchrun's exit status.
+
+| class         | exit | retry helps? | examples                                   |
+|---------------|------|--------------|--------------------------------------------|
+| config        | 64   | no           | unknown model, bad run config              |
+| data          | 65   | no           | missing shard, wrong column, bad label     |
+| user_code     | 70   | no           | a bug: TypeError, shape mismatch           |
+| divergence    | 71   | yes (resume) | NaN/Inf loss                               |
+| communication | 72   | yes          | gloo/NCCL errors, rendezvous failures      |
+| oom           | 73   | yes, smaller | torch.OutOfMemoryError, MemoryError        |
+| preempted     | 75   | yes          | SIGTERM (spot reclaim, node drain)         |
+| hang          | 76   | yes          | no progress for the hang timeout           |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+EXIT_CODES: dict[str, int] = {
+    "config": 64,
+    "data": 65,
+    "user_code": 70,
+    "divergence": 71,
+    "communication": 72,
+    "oom": 73,
+    "preempted": 75,
+    "hang": 76,
+}
+RETRYABLE = frozenset({"divergence", "communication", "oom", "preempted", "hang"})
+RECORD_NAME = "failure.json"
+
+
+class TrainingFailure(Exception):
+    """An error with a known failure class."""
+
+    failure_class = "user_code"
+
+    def __init__(self, message: str, *, failure_class: str | None = None):
+        super().__init__(message)
+        if failure_class:
+            self.failure_class = failure_class
+
+
+class ConfigError(TrainingFailure):
+    failure_class = "config"
+
+
+class DataError(TrainingFailure):
+    failure_class = "data"
+
+
+class DivergenceError(TrainingFailure):
+    failure_class = "divergence"
+
+
+class Preempted(TrainingFailure):
+    failure_class = "preempted"
+
+
+def classify(exc: BaseException) -> str:
+    if isinstance(exc, TrainingFailure):
+        return exc.failure_class
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+        return "oom"
+    text = f"{type(exc).__name__}: {exc}"
+    if any(s in text for s in ("Gloo", "gloo", "NCCL", "DistBackendError", "DistNetworkError", "RendezvousError",
+                                "Connection reset", "Connection refused", "Broken pipe")):
+        return "communication"
+    return "user_code"
+
+
+def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: int) -> dict:
+    cls = classify(exc)
+    record = {
+        "class": cls,
+        "exit_code": EXIT_CODES[cls],
+        "retryable": cls in RETRYABLE,
+        "exception": f"{type(exc).__name__}: {exc}",
+        "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:],
+        "step": step,
+        "rank": rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "time": time.time(),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{RECORD_NAME}.{rank}.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, out_dir / RECORD_NAME)
+    return record
+
+
+def read_record(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(out_dir) / RECORD_NAME).read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,58 @@
+"""The closed registry of model architectures a spec may name (`training.model`).
+
+`MODEL_NAMES` is importable without torch so that the spec can validate names at DAG-parse time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn")
+
+
+def build_model(name: str, *, input_shape: list[int], num_classes: int, hidden: int = 128,
+                dropout: float = 0.1) -> Any:
+    """Build a `torch.nn.Module` for `name`; raises ValueError for an unknown name."""
+    import torch.nn as nn
+
+    in_features = int(math.prod(input_shape))
+    if name == "mlp":
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(in_features, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+    if name == "cnn":
+        if len(input_shape) not in (2, 3):
+            raise ValueError(f"model 'cnn' needs a 2-D or 3-D (H, W[, C]) input, got shape {input_shape}")
+        channels = 1 if len(input_shape) == 2 else input_shape[2]
+        height, width = input_shape[0], input_shape[1]
+        return nn.Sequential(
+            _ToNCHW(height, width, channels),
+            nn.Conv2d(channels, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Dropout(dropout),
+            nn.Linear(64 * 4, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+
+
+def _ToNCHW(height: int, width: int, channels: int) -> Any:
+    import torch.nn as nn
+
+    class ToNCHW(nn.Module):
+        def forward(self, x):  # (N, H*W*C) or (N, H, W[, C]) -> (N, C, H, W)
+            return x.reshape(x.shape[0], height, width, channels).permute(0, 3, 1, 2)
+
+    return ToNCHW()
