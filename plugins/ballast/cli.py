@@ -62,6 +62,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(spec_name=args.spec, conf=dict(kv.split("=", 1) for kv in args.conf))
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    from ballast.localstack import serve
+
+    return serve(args.port)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ballast.bench import run_benchmark
 
@@ -97,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spec", default="digits", help="spec name in dags/specs (default digits)")
     s.add_argument("--conf", nargs="*", default=[], metavar="KEY=VALUE", help="run parameters")
     s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("ui", help="run the Airflow API server (UI), scheduler and DAG processor locally")
+    s.add_argument("--port", type=int, default=8080)
+    s.set_defaults(fn=cmd_ui)
 
     s = sub.add_parser("bench", help="run a benchmark and write its JSON")
     s.add_argument("name", choices=["parse"])

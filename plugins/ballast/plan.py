@@ -7,6 +7,7 @@ without Airflow at all.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,9 +103,15 @@ _KEYWORDS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum
              "maxLength", "pattern")
 
 
+@functools.cache
+def _properties(model: type) -> dict[str, Any]:
+    # Generating a JSON schema is slow; models are fixed classes, so once per class is enough.
+    return model.model_json_schema()["properties"]
+
+
 def _param(spec: Spec, path: str) -> ParamPlan:
     model, name = overridable_field(path)
-    prop = dict(model.model_json_schema()["properties"][name])
+    prop = dict(_properties(model)[name])
     if "anyOf" in prop:  # `X | None` -> type [x, "null"]
         variants = prop.pop("anyOf")
         prop["type"] = [v.get("type") for v in variants if v.get("type")]

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ballast.errors import SpecError
 from training.models import MODEL_NAMES
 
+# libyaml's safe loader is ~10x faster than the pure-Python one; same safety (no arbitrary objects).
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 SPEC_VERSION = 1
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
 FieldType = Literal["float32", "float64", "int32", "int64", "uint8", "bool", "string"]
@@ -476,7 +478,7 @@ def load_spec(path: str | Path) -> Spec:
     except UnicodeDecodeError as exc:
         raise SpecError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_SafeLoader)  # safe: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

@@ -1,0 +1,19 @@
+"""Benchmarks: `ballast bench NAME --json OUT`. Each returns a dict with a `targets` map."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    if name == "parse":
+        from ballast.bench.parse import bench_parse
+
+        return bench_parse(specs=args.specs, repeat=args.repeat)
+    raise ValueError(f"unknown benchmark {name!r}")
+
+
+def target(value: float, limit: float, *, lower_is_better: bool = True) -> dict[str, Any]:
+    met = value <= limit if lower_is_better else value >= limit
+    return {"value": value, "target": f"{'<=' if lower_is_better else '>='} {limit}", "met": bool(met)}

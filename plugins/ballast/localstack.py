@@ -1,0 +1,146 @@
+"""The full local Airflow stack on the embedded default: API server (with the UI), scheduler and DAG
+processor as three processes on SQLite with the LocalExecutor. Used by `ballast ui` and by the tests
+that trigger runs through the real REST API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ballast.localrun import configure_env, migrate_db
+
+
+class LocalStack:
+    def __init__(self, port: int = 8080, *, log_dir: Path | None = None, extra_env: dict[str, str] | None = None):
+        configure_env()
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_dir = Path(log_dir or Path(os.environ["AIRFLOW_HOME"]) / "stack-logs")
+        self.env = dict(os.environ)
+        self.env.update({
+            # Local development only: every user is an admin and no login is asked for.
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
+            "AIRFLOW__API__PORT": str(port),
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+        })
+        self.env.update(extra_env or {})
+        self.procs: list[subprocess.Popen] = []
+        self._token: str | None = None
+
+    def start(self, timeout: float = 180.0) -> LocalStack:
+        migrate_db()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        airflow = [sys.executable, "-m", "airflow"]
+        for name, args in (("api-server", ["api-server", "--port", str(self.port), "--host", "127.0.0.1"]),
+                           ("scheduler", ["scheduler"]), ("dag-processor", ["dag-processor"])):
+            log = open(self.log_dir / f"{name}.log", "ab")
+            self.procs.append(subprocess.Popen(airflow + args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"an Airflow process exited ({p.args[3]}, code {p.returncode});"
+                                       f" see {self.log_dir}")
+            try:
+                health = self.request("GET", "/api/v2/monitor/health")
+                if health.get("scheduler", {}).get("status") == "healthy":
+                    return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"Airflow did not become healthy on {self.base} within {timeout:.0f}s; see {self.log_dir}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        self.procs.clear()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- REST -------------------------------------------------------------------------------------
+
+    def token(self) -> str:
+        if self._token is None:
+            req = urllib.request.Request(f"{self.base}/auth/token", method="GET")
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                self._token = json.loads(resp.read())["access_token"]
+        return self._token
+
+    def request(self, method: str, path: str, body: Any = None, *, auth: bool = True) -> Any:
+        """JSON request to the API server; raises urllib.error.HTTPError for 4xx/5xx."""
+        headers = {"Content-Type": "application/json"}
+        if auth and path.startswith("/api/v2/") and not path.startswith("/api/v2/monitor"):
+            headers["Authorization"] = f"Bearer {self.token()}"
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else None
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return self.request("GET", f"/api/v2/dags/{dag_id}")
+            except urllib.error.HTTPError as exc:
+                if exc.code != 404:
+                    raise
+            time.sleep(2)
+        raise TimeoutError(f"DAG {dag_id} did not appear within {timeout:.0f}s; see {self.log_dir}")
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> dict:
+        self.request("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
+        return self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf})
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout: float = 600.0) -> dict:
+        from urllib.parse import quote
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}")
+            if run["state"] in ("success", "failed"):
+                return run
+            time.sleep(3)
+        raise TimeoutError(f"run {run_id} of {dag_id} did not finish within {timeout:.0f}s")
+
+
+def serve(port: int) -> int:
+    stack = LocalStack(port)
+    print(f"starting Airflow on {stack.base} (AIRFLOW_HOME={os.environ['AIRFLOW_HOME']}, logs in {stack.log_dir})")
+    with stack:
+        print(f"ready: open {stack.base} ; Ctrl-C stops the API server, scheduler and DAG processor")
+        try:
+            while all(p.poll() is None for p in stack.procs):
+                time.sleep(2)
+        except KeyboardInterrupt:
+            pass
+    return 0
