@@ -83,7 +83,7 @@ def _read_tfrecord(path: Path, feature: str, label: str) -> tuple[np.ndarray, np
     xs, ys = [], []
     try:
         for rec in tfrecord_loader(str(path), None, {feature: "byte", label: "int"}):
-            xs.append(np.frombuffer(rec[feature].tobytes(), dtype=np.float32))
+            xs.append(np.frombuffer(rec[feature], dtype=np.float32))
             ys.append(int(rec[label][0]))
     except Exception as exc:
         raise DataError(f"{path}: cannot read TFRecord shard ({exc})") from exc

@@ -509,7 +509,9 @@ def _format_error(source: str, err: dict[str, Any], lines: dict[tuple, int]) -> 
         # A model-level check may name a sub-field: "label: 'x' is not ..." -> loc + label.
         head, sep, rest = msg.partition(": ")
         if sep and re.fullmatch(r"[a-z_][a-z0-9_.\[\]]*", head):
-            loc = loc + tuple(head.split("."))
+            for part in head.split("."):
+                name, _, index = part.partition("[")
+                loc = loc + ((name, int(index.rstrip("]"))) if index else (name,))
             msg = rest
         value = _NOVALUE
     elif kind == "extra_forbidden":

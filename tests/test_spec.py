@@ -1,0 +1,183 @@
+"""Spec parsing: the example, every class of bad input, overrides, the lint and schema commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ballast.errors import SpecError
+from ballast.spec import Spec, apply_overrides, json_schema, load_spec, parse_spec
+from conftest import EXAMPLE_SPEC, example_data, write_spec
+
+
+def test_example_spec_parses_into_frozen_model():
+    spec = load_spec(EXAMPLE_SPEC)
+    assert spec.dag_id == "ballast_digits"
+    assert spec.training.world_size == 2
+    assert spec.training.grad_accum_steps == 1
+    assert spec.dataset.features[0].shape == (8, 8)
+    assert spec.conversion.formats == ("petastorm", "tfrecord")
+    with pytest.raises(Exception, match="frozen"):
+        spec.training.epochs = 3  # type: ignore[misc]
+
+
+def test_defaults_come_from_the_seed_documents():
+    spec = parse_spec({**example_data(), "recovery": {}, "evaluation": {"metric": "accuracy"}})
+    assert spec.recovery.retries == 3
+    assert spec.evaluation.patience == 3
+    assert spec.training.checkpoint.every_seconds == 3600
+    assert spec.training.grad_clip_norm == 1.0
+
+
+# Each bad input gets one line naming file, line, field path, the bad value and what is allowed.
+BAD = [
+    ("unknown_key", lambda d: d["training"].update(bogus=1),
+     r"bad\.yaml:\d+: training\.bogus: unknown key 'bogus'; allowed here: model, hidden_size"),
+    ("wrong_type", lambda d: d["training"].update(epochs="ten"),
+     r"bad\.yaml:\d+: training\.epochs: must be an integer \(got 'ten'\)"),
+    ("negative_size", lambda d: d["training"].update(micro_batch_size=-4),
+     r"bad\.yaml:\d+: training\.micro_batch_size: must be >= 1 \(got -4\)"),
+    ("zero_shard", lambda d: d["conversion"].update(shard_rows=0),
+     r"conversion\.shard_rows: must be >= 1 \(got 0\)"),
+    ("indivisible_batch", lambda d: d["training"].update(global_batch_size=100),
+     r"training\.global_batch_size: must be a multiple of micro_batch_size x processes_per_node x nodes"
+     r" = 32 x 2 x 1 = 64 \(got 100\)"),
+    ("missing_dataset", lambda d: d.pop("dataset"), r"bad\.yaml: dataset: required field is missing"),
+    ("unknown_model", lambda d: d["training"].update(model="resnet9000"),
+     r"training\.model: unknown model 'resnet9000'; known: mlp, cnn"),
+    ("bad_precision", lambda d: d["training"].update(precision="fp64"),
+     r"training\.precision: must be one of 'fp32', 'bf16' or 'fp16' \(got 'fp64'\)"),
+    ("label_not_a_field", lambda d: d["dataset"].update(label="target"),
+     r"dataset\.label: 'target' is not one of the fields \(image, label\)"),
+    ("rule_column", lambda d: d["validation"]["rules"].append({"kind": "not_null", "column": "pixels"}),
+     r"validation\.rules\[4\]\.column: 'pixels' is not a dataset field"),
+    ("rule_needs_bounds", lambda d: d["validation"]["rules"].append({"kind": "between", "column": "label"}),
+     r"validation\.rules\[4\]: rule 'between' needs min, max or both"),
+    ("kubernetes_without_section", lambda d: d["execution"].update(backend="kubernetes"),
+     r"execution\.kubernetes: backend 'kubernetes' needs a kubernetes section"),
+    ("bad_cron", lambda d: d["schedule"].update(cron="every monday"),
+     r"schedule\.cron: not a 5-field cron expression: 'every monday'"),
+    ("cron_and_asset", lambda d: d["schedule"].update(asset="s3://bucket/raw"),
+     r"schedule: set cron or asset, not both"),
+    ("stage_fractions", lambda d: d["cache"].update(stages=[{"name": "a", "fraction": 0.5},
+                                                            {"name": "b", "fraction": 0.4}]),
+     r"cache\.stages: stage fractions must increase \(got \[0\.5, 0\.4\]\)"),
+    ("override_section", lambda d: d["overridable"].append("training.checkpoint"),
+     r"overridable: 'training\.checkpoint' is a section; name one of its fields"),
+    ("override_unknown", lambda d: d["overridable"].append("training.speed"),
+     r"overridable: 'training\.speed' is not a spec field"),
+    ("override_clash", lambda d: d["overridable"].append("training.checkpoint.every_steps") or
+     d["overridable"].append("recovery.retries") or d["overridable"].append("dataset.split.seed") or
+     d["overridable"].append("training.seed"),
+     r"overridable: 'training\.seed' and 'dataset\.split\.seed' would both be parameter 'seed'"),
+    ("metric_mode", lambda d: d["evaluation"].update(mode="min"),
+     r"evaluation\.mode: metric 'accuracy' improves when it goes max; set mode: max"),
+    ("bad_storage", lambda d: d["storage"].update(uri="s3://"),
+     r"storage\.uri: must be a local path or s3://bucket/prefix \(got 's3://'\)"),
+    ("bad_name", lambda d: d.update(name="My Pipeline"), r"name: must match"),
+]
+
+
+@pytest.mark.parametrize("edit,pattern", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_spec_gets_one_line_naming_file_and_field(tmp_path, edit, pattern):
+    path = write_spec(tmp_path / "bad.yaml", edit)
+    with pytest.raises(SpecError, match=pattern) as info:
+        load_spec(path)
+    assert all(line.startswith(str(path)) for line in info.value.problems)
+    assert all("\n" not in line for line in info.value.problems)
+
+
+def test_line_numbers_point_at_the_bad_key(tmp_path):
+    path = write_spec(tmp_path / "bad.yaml", lambda d: d["training"].update(epochs=0))
+    lineno = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith("epochs:"))
+    with pytest.raises(SpecError, match=rf"bad\.yaml:{lineno}: training\.epochs: must be >= 1 \(got 0\)"):
+        load_spec(path)
+
+
+def test_several_problems_are_all_reported(tmp_path):
+    path = write_spec(tmp_path / "bad.yaml", lambda d: d["training"].update(epochs=0, precision="fp64", bogus=1))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert len(info.value.problems) == 3
+
+
+@pytest.mark.parametrize("content,pattern", [
+    (b"name: x\ntraining: [1, 2\n", r"bad\.yaml:3: invalid YAML: did not find expected ',' or '\]'"),
+    (b"- a\n- b\n", r"bad\.yaml: a spec is a YAML mapping of sections .* this file is a list"),
+    (b"", r"bad\.yaml: a spec is a YAML mapping .* this file is empty"),
+    (b"\xff\xfe\x00bad", r"bad\.yaml: not UTF-8 text"),
+    (b"name: !!python/object/apply:os.system ['true']\n", r"bad\.yaml:1: invalid YAML: could not determine a constructor"),
+], ids=["syntax", "list", "empty", "binary", "python_tag"])
+def test_unreadable_yaml(tmp_path, content, pattern):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(SpecError, match=pattern):
+        load_spec(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SpecError, match=r"nope\.yaml: cannot read spec \(No such file or directory\)"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_overrides_are_applied_and_revalidated():
+    spec = load_spec(EXAMPLE_SPEC)
+    new = apply_overrides(spec, {"learning_rate": 0.01, "epochs": 2})
+    assert (new.training.learning_rate, new.training.epochs) == (0.01, 2)
+    assert spec.training.epochs == 30  # the original is untouched
+    with pytest.raises(SpecError, match=r"run parameters: unknown parameter\(s\) dropout; allowed: epochs, learning_rate"):
+        apply_overrides(spec, {"dropout": 0.5})
+    with pytest.raises(SpecError, match=r"training\.micro_batch_size: must be >= 1 \(got 0\)"):
+        apply_overrides(spec, {"micro_batch_size": 0})
+    with pytest.raises(SpecError, match=r"training\.global_batch_size: must be a multiple"):
+        apply_overrides(spec, {"micro_batch_size": 24})
+
+
+def test_json_schema_describes_fields():
+    schema = json_schema()
+    assert schema["title"] == "Ballast training pipeline spec"
+    training = schema["$defs"]["TrainingSpec"]["properties"]
+    assert training["micro_batch_size"]["minimum"] == 1
+    assert "Samples per process" in training["micro_batch_size"]["description"]
+    assert schema["$defs"]["TrainingSpec"]["additionalProperties"] is False
+
+
+def _ballast(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ballast.cli", *args], capture_output=True, text=True)
+
+
+def test_lint_command_exit_codes_and_one_line_per_error(tmp_path):
+    good = write_spec(tmp_path / "good.yaml")
+    bad = write_spec(tmp_path / "bad.yaml", lambda d: d["training"].update(epochs=0, bogus=True))
+    ok = _ballast("lint", str(good))
+    assert ok.returncode == 0 and "ok (ballast_digits)" in ok.stdout
+    res = _ballast("lint", str(good), str(bad))
+    assert res.returncode == 1
+    lines = [line for line in res.stdout.splitlines() if line.startswith(str(bad))]
+    assert len(lines) == 2, res.stdout
+    assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_schema_command_prints_json(tmp_path):
+    out = tmp_path / "schema.json"
+    res = _ballast("schema", "-o", str(out))
+    assert res.returncode == 0
+    assert json.loads(out.read_text())["properties"]["training"]["$ref"] == "#/$defs/TrainingSpec"
+
+
+def test_every_model_field_is_documented():
+    missing = []
+
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            if not field.description and not (isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields")):
+                missing.append(prefix + name)
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(Spec, "")
+    assert not missing, f"fields without a docstring: {missing}"

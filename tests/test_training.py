@@ -1,0 +1,179 @@
+"""The trainer under real torchrun processes (gloo on CPU), its checkpoints and its failure contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ballast.launch import adapt_micro_batch, run_config, torchrun_argv
+from ballast.spec import load_spec, parse_spec
+from ballast.stages import convert, validate, warm_cache
+from conftest import EXAMPLE_SPEC, example_data
+from test_stages import make_ctx, run_chain
+from training import checkpoint as ckpt
+from training.failure import EXIT_CODES
+
+
+@pytest.fixture(scope="module")
+def digits_cache(tmp_path_factory, digits_raw) -> dict:
+    tmp = tmp_path_factory.mktemp("cache")
+    ctx = make_ctx(tmp, digits_raw)
+    return run_chain(ctx, validate, convert, warm_cache)["warm_cache"]
+
+
+def launch(tmp: Path, cache: dict, *, epochs: int, edit=None, out: str = "out") -> tuple[subprocess.CompletedProcess, Path]:
+    d = example_data()
+    d["training"]["epochs"] = epochs
+    d["evaluation"]["patience"] = 50
+    if edit:
+        edit(d)
+    spec = parse_spec(d)
+    out_dir = tmp / out
+    out_dir.mkdir(exist_ok=True)
+    cfg = run_config(spec, data_dir=cache["cache_dir"], data_format=cache["format"],
+                     checkpoint_dir=str(tmp / "ckpt"), output_dir=str(out_dir))
+    (out_dir / "run.json").write_text(json.dumps(cfg))
+    proc = subprocess.run(torchrun_argv(spec, out_dir / "run.json"), capture_output=True, text=True, timeout=300)
+    return proc, out_dir
+
+
+def test_torchrun_two_processes_train_and_commit_checkpoints(tmp_path, digits_cache):
+    proc, out = launch(tmp_path, digits_cache, epochs=4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs"] == 4
+    assert summary["best"]["value"] > 0.85
+    done = ckpt.committed(tmp_path / "ckpt")
+    assert 1 <= len(done) <= 4  # keep_last 3, plus the best
+    for path in done:
+        ckpt.verify(path)
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {e["event"] for e in events} >= {"step", "epoch", "checkpoint"}
+
+
+def test_resume_from_committed_checkpoint_matches_an_uninterrupted_run(tmp_path, digits_cache):
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    full, _ = launch(a, digits_cache, epochs=4)
+    assert full.returncode == 0, full.stderr[-3000:]
+    first, _ = launch(b, digits_cache, epochs=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second, out = launch(b, digits_cache, epochs=4)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    import torch
+
+    wa = ckpt.load_tensors(ckpt.committed(a / "ckpt")[-1] / "model.pt")
+    wb = ckpt.load_tensors(ckpt.committed(b / "ckpt")[-1] / "model.pt")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "resumed weights differ from the uninterrupted run"
+
+
+def test_bad_run_config_exits_with_config_code_and_record(tmp_path, digits_cache):
+    d = example_data()
+    spec = parse_spec(d)
+    cfg = run_config(spec, data_dir=digits_cache["cache_dir"], data_format="petastorm",
+                     checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "out"))
+    cfg["model"] = "resnet9000"
+    cfg_path = tmp_path / "run.json"
+    cfg_path.write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "training", "--config", str(cfg_path)], capture_output=True, text=True)
+    assert proc.returncode == EXIT_CODES["config"]
+    assert "unknown model 'resnet9000'" in proc.stderr
+
+
+def test_missing_data_is_a_data_failure(tmp_path):
+    spec = parse_spec(example_data())
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = run_config(spec, data_dir=str(tmp_path / "nowhere"), data_format="petastorm",
+                     checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(out))
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "training", "--config", str(tmp_path / "run.json")],
+                          capture_output=True, text=True)
+    assert proc.returncode == EXIT_CODES["data"]
+    record = json.loads((out / "failure.json").read_text())
+    assert record["class"] == "data" and record["retryable"] is False
+    assert "manifest missing; was the cache warmed?" in record["exception"]
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    import torch
+
+    w = ckpt.Writer(root, step, rank=0, barrier=lambda: None)
+    w.begin()
+    w.write_tensors("model.pt", {"w": torch.ones(3)})
+    w.write_json("trainer.json", {"step": step})
+    return w.commit()
+
+
+def test_uncommitted_checkpoint_is_invisible_to_resume(tmp_path):
+    good = _fake_checkpoint(tmp_path, 10)
+    later = _fake_checkpoint(tmp_path, 20)
+    (later / ckpt.COMMIT_MARKER).unlink()  # as if killed before the marker landed
+    (tmp_path / ".step-00000030.tmp").mkdir()  # a save killed mid-write
+    assert ckpt.latest_valid(tmp_path) == good
+    with pytest.raises(ckpt.CheckpointError, match=r"step-00000020: no COMMITTED marker"):
+        ckpt.verify(later)
+
+
+def test_tampered_or_truncated_checkpoint_is_refused(tmp_path):
+    good = _fake_checkpoint(tmp_path, 10)
+    bad = _fake_checkpoint(tmp_path, 20)
+    data = bytearray((bad / "model.pt").read_bytes())
+    data[-5] ^= 0xFF
+    (bad / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: sha256 does not match the manifest"):
+        ckpt.verify(bad)
+    skipped = []
+    assert ckpt.latest_valid(tmp_path, log=skipped.append) == good
+    assert "sha256 does not match" in skipped[0]
+    (good / "model.pt").write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match=r"size 0 does not match the manifest .*truncated"):
+        ckpt.verify(good)
+
+
+def test_checkpoint_loads_refuse_pickled_objects(tmp_path):
+    import pickle
+
+    evil = tmp_path / "model.pt"
+
+    class Boom:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    evil.write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: cannot load as a tensor file"):
+        ckpt.load_tensors(evil)
+
+
+def test_prune_keeps_last_k_and_best(tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        _fake_checkpoint(tmp_path, step)
+    ckpt.prune(tmp_path, keep_last=2, keep={20})
+    assert [p.name for p in ckpt.committed(tmp_path)] == ["step-00000020", "step-00000040", "step-00000050"]
+
+
+def test_launch_specs_are_pure_functions():
+    spec = load_spec(EXAMPLE_SPEC)
+    argv = torchrun_argv(spec, "/run/cfg.json", python="/py")
+    assert argv == ["/py", "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+                    "--standalone", "--module", "training", "--config", "/run/cfg.json"]
+    multi = parse_spec({**example_data(), "training": {**example_data()["training"], "nodes": 2, "global_batch_size": 128}})
+    argv = torchrun_argv(multi, "c.json", python="/py", rdzv_endpoint="head:29400", run_id="r1")
+    assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=head:29400" in argv and "--standalone" not in argv
+    cfg = run_config(spec, data_dir="d", data_format="petastorm", checkpoint_dir="c", output_dir="o",
+                     micro_batch_size=16)
+    assert (cfg["micro_batch_size"], cfg["grad_accum_steps"]) == (16, 2)  # global batch 64 kept
+
+
+def test_oom_adaptation_keeps_global_batch():
+    spec = load_spec(EXAMPLE_SPEC)  # per process: 64 / 2 = 32
+    assert adapt_micro_batch(spec, 32, 0.5) == 16
+    assert adapt_micro_batch(spec, 16, 0.7) == 8  # 11 does not divide 32
+    assert adapt_micro_batch(spec, 1, 0.5) == 1
