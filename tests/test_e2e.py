@@ -1,0 +1,74 @@
+"""End to end through Airflow: dag.test() of the example DAG, and a real trigger through the REST API
+of a running API server, scheduler and DAG processor."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+
+import pytest
+
+from ballast.context import RunContext
+from ballast.spec import load_spec
+from conftest import EXAMPLE_SPEC
+
+pytestmark = pytest.mark.slow
+
+# The example model must beat this on the held-out test split (273 digits never seen in training).
+MIN_TEST_ACCURACY = 0.90
+
+
+def report_for(run_id: str) -> dict:
+    spec = load_spec(EXAMPLE_SPEC)
+    ctx = RunContext(spec=spec, dag_id=spec.dag_id, run_id=run_id)
+    return json.loads(ctx.storage.read_bytes(f"{ctx.run_key}/report.json"))
+
+
+def effective_spec(run_id: str) -> dict:
+    spec = load_spec(EXAMPLE_SPEC)
+    ctx = RunContext(spec=spec, dag_id=spec.dag_id, run_id=run_id)
+    return json.loads(ctx.storage.read_bytes(f"{ctx.run_key}/spec.json"))
+
+
+def test_example_dag_runs_end_to_end_with_dag_test(airflow_db, digits_raw):
+    from ballast.localrun import run_dag
+
+    dr = run_dag("ballast_digits", {"epochs": 15})
+    assert str(dr.state) == "success"
+    report = report_for(dr.run_id)
+    assert report["test"]["metric"] == "accuracy"
+    assert report["test"]["value"] >= MIN_TEST_ACCURACY
+    assert report["test"]["test_rows"] == 273
+    assert report["training"]["epochs"] <= 15
+    assert effective_spec(dr.run_id)["training"]["epochs"] == 15
+    stages = report["stages"]
+    assert stages["validate"]["failures"] == [] and stages["validate"]["rows"] == 1797
+    assert stages["verify_checkpoint"]["best"]["parameters"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trigger_through_rest_api_with_changed_parameter(airflow_db, digits_raw, tmp_path):
+    from ballast.localstack import LocalStack
+
+    with LocalStack(_free_port(), log_dir=tmp_path / "logs") as stack:
+        dag = stack.wait_for_dag("ballast_digits", timeout=180)
+        assert dag["is_paused"] in (True, False)
+        # Out of the Param's bounds: refused before any run exists.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            stack.trigger("ballast_digits", {"epochs": 0})
+        assert refused.value.code == 400
+        assert "epochs" in refused.value.read().decode()
+        run = stack.trigger("ballast_digits", {"epochs": 3, "learning_rate": 0.005})
+        done = stack.wait_for_run("ballast_digits", run["dag_run_id"], timeout=600)
+        logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "logs").glob("*.log"))
+        assert done["state"] == "success", logs
+    spec = effective_spec(run["dag_run_id"])
+    assert spec["training"]["epochs"] == 3 and spec["training"]["learning_rate"] == 0.005
+    report = report_for(run["dag_run_id"])
+    assert report["training"]["epochs"] <= 3
