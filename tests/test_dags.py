@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from ballast.plan import STAGES, build_plan
 from ballast.spec import load_spec
 from conftest import EXAMPLE_SPEC, ROOT, write_spec

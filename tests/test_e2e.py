@@ -8,7 +8,6 @@ import socket
 import urllib.error
 
 import pytest
-
 from ballast.context import RunContext
 from ballast.spec import load_spec
 from conftest import EXAMPLE_SPEC

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from ballast.errors import SpecError
 from ballast.spec import Spec, apply_overrides, json_schema, load_spec, parse_spec
 from conftest import EXAMPLE_SPEC, example_data, write_spec
@@ -58,6 +57,8 @@ BAD = [
      r"validation\.rules\[4\]: rule 'between' needs min, max or both"),
     ("kubernetes_without_section", lambda d: d["execution"].update(backend="kubernetes"),
      r"execution\.kubernetes: backend 'kubernetes' needs a kubernetes section"),
+    ("kubernetes_not_yet", lambda d: d["execution"].update(backend="kubernetes", kubernetes={"image": "ballast-training"}),
+     r"execution\.backend: 'kubernetes' cannot launch training pods in this release; use backend: local"),
     ("bad_cron", lambda d: d["schedule"].update(cron="every monday"),
      r"schedule\.cron: not a 5-field cron expression: 'every monday'"),
     ("cron_and_asset", lambda d: d["schedule"].update(asset="s3://bucket/raw"),

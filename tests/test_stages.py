@@ -9,12 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
 from ballast.spec import parse_spec
-from ballast.storage import LocalStorage, safe_key
 from ballast.stages import convert, validate, warm_cache
+from ballast.storage import LocalStorage, safe_key
 from conftest import example_data
 
 

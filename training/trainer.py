@@ -263,7 +263,11 @@ class Trainer:
                 self.save("preempted" if preempt else "interval")
             if preempt:
                 raise Preempted(f"SIGTERM received; checkpoint saved at step {self.step}")
-        self.log(f"epoch {self.epoch}: {steps} steps in {time.monotonic() - t_epoch:.2f}s")
+        seconds = time.monotonic() - t_epoch
+        rate = steps * per_step * self.dist.world / max(seconds, 1e-9)
+        left = (cfg.epochs - self.epoch - 1) * seconds
+        self.log(f"epoch {self.epoch + 1}/{cfg.epochs}: {steps} steps in {seconds:.2f}s, {rate:.0f} samples/s,"
+                 f" ETA {left:.0f}s at most (early stopping may end sooner)")
 
     def evaluate(self, data: Split) -> dict[str, float]:
         import torch
@@ -311,7 +315,7 @@ class Trainer:
                 self.bad_epochs = 0
             else:
                 self.bad_epochs += 1
-            self.log(f"epoch {self.epoch - 1}: val {cfg.metric} {value:.4f}"
+            self.log(f"epoch {self.epoch}/{cfg.epochs}: val {cfg.metric} {value:.4f}"
                      f"{' (best)' if is_best else f' (no improvement {self.bad_epochs}/{cfg.patience})'}")
             self.event("epoch", epoch=self.epoch - 1, best=is_best, **scores)
             self.save("epoch")

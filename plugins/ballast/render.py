@@ -11,8 +11,7 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk import DAG, Asset, Param
-from airflow.providers.standard.operators.python import PythonOperator
+from airflow.sdk import DAG, Asset, BaseOperator, Param
 
 from ballast.errors import SpecError
 from ballast.plan import Plan, build_plan
@@ -74,10 +73,11 @@ def render(plan: Plan) -> DAG:
     ) as dag:
         previous = None
         for stage in plan.stages:
-            task = PythonOperator(
+            task = StageOperator(
                 task_id=stage.name,
-                python_callable=_run_stage,
-                op_kwargs={"stage": stage.name, "spec_data": plan.spec_data, "spec_file": plan.spec_file},
+                stage=stage.name,
+                spec_data=plan.spec_data,
+                spec_file=plan.spec_file,
                 retries=stage.retries,
                 doc_md=stage.doc,
             )
@@ -87,11 +87,29 @@ def render(plan: Plan) -> DAG:
     return dag
 
 
-def _run_stage(stage: str, spec_data: dict, spec_file: str, **context: Any) -> dict:
-    # Imported here: the runner pulls in the stage module, which imports its heavy libraries.
-    from ballast.runner import run_stage
+class StageOperator(BaseOperator):
+    """Runs one Ballast stage. Nothing is templated: spec text such as '{{' stays as written."""
 
-    return run_stage(stage, spec_data=spec_data, spec_file=spec_file, context=context)
+    template_fields = ()
+    ui_color = "#dfe9f5"
+
+    def __init__(self, *, stage: str, spec_data: dict, spec_file: str, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.stage = stage
+        self.spec_data = spec_data
+        self.spec_file = spec_file
+
+    def execute(self, context: Any) -> dict:
+        # Imported here: the runner pulls in the stage module, which imports its heavy libraries.
+        from ballast.runner import run_stage
+
+        return run_stage(self.stage, spec_data=self.spec_data, spec_file=self.spec_file, context=context)
+
+    def on_kill(self) -> None:
+        # The task is being stopped (marked failed, timed out): take any training processes down with it.
+        from ballast.stages.train import stop_running
+
+        stop_running()
 
 
 def _doc(plan: Plan) -> str:

@@ -362,6 +362,10 @@ class ExecutionSpec(_Model):
     def _check_backend(self) -> ExecutionSpec:
         if self.backend == "kubernetes" and self.kubernetes is None:
             raise ValueError("kubernetes: backend 'kubernetes' needs a kubernetes section with at least image")
+        if self.backend == "kubernetes":
+            # Refused here rather than after hours of upstream stages: training pods still need their own
+            # cache warm-up and checkpoint upload, which only the local backend has so far.
+            raise ValueError("backend: 'kubernetes' cannot launch training pods in this release; use backend: local")
         return self
 
 

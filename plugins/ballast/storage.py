@@ -7,6 +7,7 @@ objects only appear once their (multipart) upload completes.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -28,6 +29,14 @@ def safe_key(key: str) -> str:
 
 def safe_join(root: Path, key: str) -> Path:
     return root / safe_key(key)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -149,23 +158,24 @@ class S3Storage(Storage):
                 "s3", config=Config(retries={"mode": "adaptive", "max_attempts": 8}), **kwargs)
         return self._client
 
+    def _error(self, what: str, key: str, exc: Exception) -> StorageError:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+        hint = {"NoSuchBucket": f"bucket {self.bucket!r} does not exist",
+                "404": "no such object", "NoSuchKey": "no such object", "NotFound": "no such object",
+                "InvalidAccessKeyId": "credentials refused", "SignatureDoesNotMatch": "credentials refused",
+                "AccessDenied": "access denied", "403": "access denied"}.get(code, code or str(exc))
+        return StorageError(f"{self.describe(key)}: {what} failed: {hint}")
+
     def _call(self, what: str, key: str, fn, *args, **kwargs):
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return fn(*args, **kwargs)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "?")
-            hint = {"NoSuchBucket": f"bucket {self.bucket!r} does not exist",
-                    "404": "no such object", "NoSuchKey": "no such object",
-                    "InvalidAccessKeyId": "credentials refused", "SignatureDoesNotMatch": "credentials refused",
-                    "AccessDenied": "access denied", "403": "access denied"}.get(code, code)
-            raise StorageError(f"{self.describe(key)}: {what} failed: {hint}") from exc
-        except BotoCoreError as exc:
-            raise StorageError(f"{self.describe(key)}: {what} failed: {exc}") from exc
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(what, key, exc) from exc
 
     def exists(self, key: str) -> bool:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             self.client.head_object(Bucket=self.bucket, Key=self._key(key))
@@ -173,7 +183,9 @@ class S3Storage(Storage):
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
-            return self._call("head", key, lambda: (_ for _ in ()).throw(exc))
+            raise self._error("head", key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("head", key, exc) from exc
 
     def read_bytes(self, key: str) -> bytes:
         resp = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.rawdata import array_values, raw_files, read_table
-from ballast.storage import ballast_home
+from ballast.storage import ballast_home, sha256_file
 
 SPLITS = ("train", "validation", "test")
 FORMAT_VERSION = 1
@@ -89,7 +89,7 @@ def run(ctx: RunContext) -> dict:
                     (_write_parquet if fmt == "petastorm" else _write_tfrecord)(
                         path, x[idx], y[idx], feature.name, label)
                     files.append({"path": rel, "split": split, "format": fmt, "rows": int(len(idx)),
-                                  "bytes": path.stat().st_size, "sha256": _sha256(path)})
+                                  "bytes": path.stat().st_size, "sha256": sha256_file(path)})
         manifest = {
             "dataset_id": did, "name": spec.name, "input_fingerprint": fingerprint, "format_version": FORMAT_VERSION,
             "feature": {"name": feature.name, "type": "float32", "shape": list(feature.shape) or [1]},
@@ -118,13 +118,6 @@ def _staging_root() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     return root
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_parquet(path: Path, x, y, feature: str, label: str) -> None:

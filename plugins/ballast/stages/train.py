@@ -26,9 +26,6 @@ def run(ctx: RunContext) -> dict:
     from training.failure import RETRYABLE, read_record
 
     spec = ctx.spec
-    if spec.execution.backend != "local":
-        raise LaunchError(f"execution.backend: {spec.execution.backend!r} launching is not available in this"
-                          f" release; use backend: local", failure_class="config", retryable=False)
     cache = ctx.result("warm_cache")
     work = ctx.work_dir
     out_dir, ckpt_dir = work / "train", work / "checkpoints"
@@ -80,11 +77,21 @@ def run(ctx: RunContext) -> dict:
             "best": best, "micro_batch_size": micro}
 
 
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def stop_running() -> None:
+    """End every torchrun this process started (called from the operator's on_kill)."""
+    for proc in list(_RUNNING):
+        _kill_group(proc)
+
+
 def _supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: float) -> tuple[int, bool]:
     """Run torchrun in its own process group, relaying its output; end it if the heartbeat stalls."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
+    _RUNNING.add(proc)
 
     def relay() -> None:
         assert proc.stdout is not None
@@ -108,6 +115,8 @@ def _supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout:
     except BaseException:
         _kill_group(proc)  # the task itself is being stopped: take the trainers down with it
         raise
+    finally:
+        _RUNNING.discard(proc)
     rc = proc.wait()
     reader.join(timeout=5)
     return rc, hung

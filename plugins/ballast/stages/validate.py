@@ -21,8 +21,9 @@ def rules_for(ctx: RunContext) -> list[dict]:
     rules: list[dict] = [r.model_dump() for r in spec.validation.rules]
     names = {f.name for f in spec.dataset.fields}
     for suite in spec.validation.suites:
-        import data_checks
         from pydantic import ValidationError
+
+        import data_checks
 
         try:
             path, data = data_checks.load_suite(suite)

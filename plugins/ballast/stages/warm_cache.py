@@ -9,7 +9,6 @@ refused, and a stage that would exceed the byte budget or the free disk is refus
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
-from ballast.storage import atomic_write_bytes, safe_join
+from ballast.storage import atomic_write_bytes, safe_join, sha256_file
 
 
 def plan_stages(files: list[dict], fmt: str, fractions: list[float]) -> list[list[dict]]:
@@ -41,15 +40,8 @@ def plan_stages(files: list[dict], fmt: str, fractions: list[float]) -> list[lis
 def _verified(path: Path, entry: dict) -> bool:
     if not path.is_file() or path.stat().st_size != entry["bytes"]:
         return False
-    return _sha256(path) == entry["sha256"]
+    return sha256_file(path) == entry["sha256"]
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def run(ctx: RunContext) -> dict:
