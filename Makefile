@@ -47,9 +47,9 @@ bench: env
 # Re-resolve the pinned set after changing a direct dependency (then re-check ../shared/STACK.md).
 constraints:
 	rm -rf /tmp/ballast-resolve && $(PYTHON) -m venv /tmp/ballast-resolve
-	/tmp/ballast-resolve/bin/pip install --quiet '.[test]'
+	/tmp/ballast-resolve/bin/pip install --quiet 'torch==2.13.0' '.[test,postgres]'
 	( head -2 constraints.txt; echo 'torch==2.13.0'; /tmp/ballast-resolve/bin/pip freeze --exclude-editable \
-	  | grep -v -e '^torch==' -e '^ballast' ) > constraints.new && mv constraints.new constraints.txt
+	  | grep -v -e '^torch==' -e '^ballast' | sort -f ) > constraints.new && mv constraints.new constraints.txt
 
 clean:
 	rm -rf .airflow .ballast
