@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,77 @@ def prune(root: Path, *, keep_last: int, keep: set[int] = frozenset()) -> list[P
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+class AsyncSaver:
+    """Writes checkpoint snapshots in a background thread, one save in flight at a time.
+
+    Training is blocked only while the snapshot is taken (a CPU copy of the state). The writer's
+    barriers run on a process group of their own (`barrier`), never on the training group, so its
+    collectives cannot interleave with training's (the hang seen with async_save on the training group).
+    """
+
+    def __init__(self, root: Path, *, rank: int, barrier, keep_last: int, log=print):
+        self.root = Path(root)
+        self.rank = rank
+        self.barrier = barrier
+        self.keep_last = keep_last
+        self.log = log
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_path: Path | None = None
+        self.last_write_seconds = 0.0
+
+    def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
+             asynchronous: bool = True) -> None:
+        self.wait()
+        args = (step, tensors, jsons, keep)
+        if not asynchronous:
+            self._write(*args)
+            self.wait()
+            return
+        self._thread = threading.Thread(target=self._write, args=args, name=f"ckpt-{step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], keep: set[int]) -> None:
+        t0 = time.monotonic()
+        try:
+            w = Writer(self.root, step, rank=self.rank, barrier=self.barrier)
+            w.begin()
+            for name, obj in tensors.items():
+                w.write_tensors(name, obj)
+            for name, obj in jsons.items():
+                w.write_json(name, obj)
+            self.last_path = w.commit()
+            if self.rank == 0:
+                prune(self.root, keep_last=self.keep_last, keep=keep)
+        except BaseException as exc:  # surfaced to the training thread by wait()
+            self._error = exc
+        self.last_write_seconds = time.monotonic() - t0
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise CheckpointError(f"{self.root}: checkpoint save failed: {exc}") from exc
+
+
+def average(paths: list[Path]) -> dict[str, Any]:
+    """Mean of the model weights of several checkpoints (the seed documents' mean of the last 3)."""
+    import torch
+
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    states = [load_tensors(Path(p) / "model.pt") for p in paths]
+    keys = states[0].keys()
+    for p, st in zip(paths, states):
+        if st.keys() != keys:
+            raise CheckpointError(f"{p}: holds other tensors than {paths[0]}; cannot average different models")
+    out = {}
+    for k in keys:
+        t = states[0][k]
+        out[k] = (torch.stack([st[k].double() for st in states]).mean(0).to(t.dtype)
+                  if torch.is_floating_point(t) else t.clone())
+    return out

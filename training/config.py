@@ -48,10 +48,30 @@ class RunConfig:
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float = 3600.0
     keep_last: int = 3
+    checkpoint_async: bool = True
+    resume_average_last: int = 0
     # distributed
     backend: str = "auto"
     dist_timeout_seconds: float = 600.0
-    extra: dict = field(default_factory=dict)
+    parallelism: str = "ddp"
+    gradient_compression: str = "none"
+    # numerics
+    loss_scale_init: float = 8192.0
+    loss_scale_growth_interval: int = 100
+    lr_plateau_patience: int = 5
+    lr_plateau_factor: float = 0.5
+    # stability monitors
+    spike_zscore: float = 3.0
+    spike_window: int = 50
+    spike_action: str = "alert"
+    stats_every_steps: int = 50
+    hang_timeout_seconds: float = 1800.0
+    preempt_grace_seconds: float = 60.0
+    # resources and metrics
+    gpu_memory_fraction: float = 0.9
+    cpu_reserve_fraction: float = 0.2
+    metrics_port: int | None = None
+    faults: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_NAMES:
@@ -60,7 +80,15 @@ class RunConfig:
             raise ConfigError(f"optimizer: unknown optimizer {self.optimizer!r}; known: adamw, sgd")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ConfigError(f"precision: must be fp32, bf16 or fp16 (got {self.precision!r})")
-        for name in ("micro_batch_size", "grad_accum_steps", "epochs", "keep_last", "patience"):
+        choices = {"parallelism": ("ddp", "fsdp"), "gradient_compression": ("none", "fp16", "bf16"),
+                   "spike_action": ("alert", "rollback"), "data_format": ("petastorm", "tfrecord")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}: must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"gpu_memory_fraction: must be in (0, 1] (got {self.gpu_memory_fraction})")
+        for name in ("micro_batch_size", "grad_accum_steps", "epochs", "keep_last", "patience", "spike_window",
+                     "stats_every_steps", "lr_plateau_patience", "loss_scale_growth_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1 (got {getattr(self, name)})")
 

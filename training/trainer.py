@@ -1,18 +1,31 @@
 """The training loop run by every process that torchrun starts.
 
-One process per rank; rank 0 writes metrics, the summary and the checkpoint manifest. Resumes from the
-newest committed checkpoint in the run's checkpoint directory; stops early when the validation metric
-has not improved for `patience` epochs; saves on a step interval, a time interval, every epoch end, and
-on SIGTERM (preemption) before exiting with the preempted code.
+One process per rank. Rank 0 writes the summary, the event log and the checkpoint manifest. What
+keeps a run alive, step by step:
+
+* resume from the newest committed checkpoint (exact: weights, optimizer, loss scaler, LR schedule,
+  data position, RNG of every rank, monitor state);
+* one small all-reduce per step carries the global loss and the flags every rank must agree on
+  (non-finite values, preemption, a time-based checkpoint being due), so ranks never diverge in
+  their decisions;
+* non-finite loss or gradients: the pre-step (last good) state is checkpointed with the offending
+  batch on a skip list, and the process exits with the divergence code; the next try skips it;
+* a loss spike (z-score over a trailing window): an alert event, and with `spike_action: rollback`
+  a return to the last committed checkpoint with the batch skipped; otherwise the last good state is
+  checkpointed at once;
+* SIGTERM (preemption): a synchronous checkpoint within the grace period, then the preempted code;
+* a watchdog ends a process that makes no progress for the hang timeout, after dumping stacks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,12 +33,14 @@ from typing import Any
 from training import checkpoint as ckpt
 from training.config import RunConfig
 from training.data import Split, epoch_order, load_split
-from training.failure import DivergenceError, Preempted
+from training.failure import EXIT_CODES, DivergenceError, Preempted, TrainingFailure, write_record
+from training.faults import Injector, load_faults
 from training.models import build_model
+from training.monitor import Metrics, Nvml, SpikeDetector, Watchdog, grad_stats, memory_bytes
 
 
 class _Dist:
-    """The process group, or a stand-in when running as one plain process."""
+    """The process group (plus a separate gloo group for checkpoint writes), or a single process."""
 
     def __init__(self, cfg: RunConfig):
         import torch
@@ -39,16 +54,25 @@ class _Dist:
         self.device = torch.device(f"cuda:{self.local_rank}" if cuda else "cpu")
         self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
         self.enabled = self.world > 1
+        self.ckpt_group = None
         if self.enabled:
             if cuda:
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(self.backend, timeout=dt.timedelta(seconds=cfg.dist_timeout_seconds))
+            timeout = dt.timedelta(seconds=cfg.dist_timeout_seconds)
+            dist.init_process_group(self.backend, timeout=timeout)
+            self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def barrier(self) -> None:
         if self.enabled:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def ckpt_barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.ckpt_group)
 
     def all_sum(self, values: list[float]) -> list[float]:
         import torch
@@ -60,14 +84,24 @@ class _Dist:
             dist.all_reduce(t)
         return t.tolist()
 
-    def any_flag(self, flag: bool) -> bool:
-        return self.all_sum([1.0 if flag else 0.0])[0] > 0
-
     def close(self) -> None:
         if self.enabled:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """Snapshot a (nested) state: tensors copied to CPU, everything else kept."""
+    import torch
+
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
 
 
 class Trainer:
@@ -82,15 +116,23 @@ class Trainer:
         self.rank = self.dist.rank
         self.step = 0
         self.epoch = 0
-        self.pos = 0  # optimizer steps already taken in the current epoch
+        self.pos = 0  # batches (optimizer steps or skipped batches) consumed in the current epoch
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
         self.bad_epochs = 0
-        self.preempt = False
+        self.skip: set[tuple[int, int]] = set()  # (epoch, pos) of batches never to train on again
+        self.preempt_at: float | None = None
         self._last_save = time.monotonic()
-        # Leave about 20% of the cores for data loading (seed documents).
+        self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.metrics_port)
+        self.spikes = SpikeDetector(window=cfg.spike_window, zscore=cfg.spike_zscore)
+        self.faults = Injector(load_faults(cfg.faults), rank=self.rank, out_dir=self.out)
+
+        # Resource guards: leave ~20% of the cores to data loading; cap GPU memory per process.
         cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, int(cores * 0.8) // max(1, self.dist.local_world)))
+        torch.set_num_threads(max(1, int(cores * (1 - cfg.cpu_reserve_fraction)) // max(1, self.dist.local_world)))
+        if self.dist.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory_fraction, self.dist.device)
+        self.nvml = Nvml(self.dist.device.index if self.dist.device.type == "cuda" else None)
         torch.manual_seed(cfg.seed)
 
         load = dict(fmt=cfg.data_format, feature=cfg.feature, label=cfg.label,
@@ -100,120 +142,195 @@ class Trainer:
 
         model = build_model(cfg.model, input_shape=cfg.input_shape, num_classes=cfg.num_classes,
                             hidden=cfg.hidden_size, dropout=cfg.dropout).to(self.dist.device)
+        self.raw_model = model
         self.model = model
-        if self.dist.enabled:
+        if self.dist.enabled and cfg.parallelism == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)  # ZeRO-3: parameters, gradients and optimizer state sharded over ranks
+        elif self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.model = DDP(model, device_ids=[self.dist.device.index] if self.dist.device.type == "cuda" else None)
+            if cfg.gradient_compression != "none":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+                self.model.register_comm_hook(None, hook[cfg.gradient_compression])
+        self.lr = cfg.learning_rate
         params = self.model.parameters()
         if cfg.optimizer == "adamw":
-            self.opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+            self.opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=cfg.weight_decay)
         else:
-            self.opt = torch.optim.SGD(params, lr=cfg.learning_rate, momentum=0.9, weight_decay=cfg.weight_decay)
+            self.opt = torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            self.opt, mode=cfg.mode, factor=cfg.lr_plateau_factor, patience=cfg.lr_plateau_patience)
         self.autocast_dtype = None
         if cfg.precision == "bf16":
             self.autocast_dtype = torch.bfloat16
         elif cfg.precision == "fp16" and self.dist.device.type == "cuda":
             self.autocast_dtype = torch.float16
+        # Dynamic loss scaling (fp16 only). Seed documents: initial scale 8192, growth interval 100;
+        # PyTorch's own defaults are 65536 and 2000.
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.autocast_dtype == torch.float16,
-                                           init_scale=8192, growth_interval=100)
+                                           init_scale=cfg.loss_scale_init,
+                                           growth_interval=cfg.loss_scale_growth_interval)
+        self.saver = ckpt.AsyncSaver(self.ckpt_root, rank=self.rank, barrier=self.dist.ckpt_barrier,
+                                     keep_last=cfg.keep_last, log=self.log)
+        self.watchdog = Watchdog(cfg.hang_timeout_seconds, out_dir=self.out, rank=self.rank,
+                                 on_hang=self._on_hang).start()
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def _on_sigterm(self, signum, frame) -> None:
-        self.preempt = True
+        if self.preempt_at is None:
+            self.preempt_at = time.monotonic()
+            # Past the grace period the process goes without a checkpoint; the last committed one stands.
+            timer = threading.Timer(self.cfg.preempt_grace_seconds, self._grace_expired)
+            timer.daemon = True
+            timer.start()
+
+    def _grace_expired(self) -> None:
+        write_record(self.out, Preempted(f"SIGTERM grace period of {self.cfg.preempt_grace_seconds:.0f}s expired"
+                                         f" before a checkpoint was committed"), step=self.step, rank=self.rank)
+        os._exit(EXIT_CODES["preempted"])
+
+    def _on_hang(self) -> None:
+        write_record(self.out, TrainingFailure(f"no progress for {self.cfg.hang_timeout_seconds:.0f}s (watchdog);"
+                                               f" stacks in stacks-rank{self.rank}.txt", failure_class="hang"),
+                     step=self.step, rank=self.rank)
+        os._exit(EXIT_CODES["hang"])
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
             print(f"[train] {msg}", flush=True)
 
-    def event(self, kind: str, **fields: Any) -> None:
-        if self.rank == 0:
-            with open(self.out / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps({"event": kind, "time": time.time(), "step": self.step, **fields}) + "\n")
-
     def heartbeat(self) -> None:
+        self.watchdog.beat()
         if self.rank == 0:
             (self.out / "heartbeat").write_text(f"{self.step} {time.time()}\n")
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def _raw_model(self):
-        return getattr(self.model, "module", self.model)
+    def _model_state(self) -> tuple[dict, dict]:
+        """Full (unsharded) model and optimizer state on rank 0; collective under FSDP."""
+        if self.cfg.parallelism == "fsdp" and self.dist.enabled:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    def save(self, reason: str) -> Path:
+            return get_state_dict(self.raw_model, self.opt,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.raw_model.state_dict(), self.opt.state_dict()
+
+    def _load_model_state(self, model_sd: dict, optim_sd: dict | None) -> None:
+        if self.cfg.parallelism == "fsdp" and self.dist.enabled:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_state_dict(self.raw_model, self.opt, model_state_dict=model_sd if self.rank == 0 else {},
+                           optim_state_dict=(optim_sd or {}) if self.rank == 0 else {}, options=opts)
+            return
+        self.raw_model.load_state_dict(model_sd)
+        if optim_sd is not None:
+            self.opt.load_state_dict(optim_sd)
+
+    def save(self, reason: str, *, asynchronous: bool | None = None) -> None:
         import torch
 
         t0 = time.monotonic()
-        w = ckpt.Writer(self.ckpt_root, self.step, rank=self.rank, barrier=self.dist.barrier)
-        w.begin()
+        model_sd, optim_sd = self._model_state()
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
-        w.write_tensors(f"rng-rank{self.rank}.pt", rng)
+        tensors: dict[str, Any] = {f"rng-rank{self.rank}.pt": _cpu_copy(rng)}
+        jsons: dict[str, Any] = {}
         if self.rank == 0:
-            w.write_tensors("model.pt", self._raw_model().state_dict())
-            w.write_tensors("optim.pt", self.opt.state_dict())
-            w.write_tensors("scaler.pt", {k: torch.tensor(v) if isinstance(v, (int, float)) else v
-                                          for k, v in self.scaler.state_dict().items()})
-            w.write_json("trainer.json", {
+            tensors["model.pt"] = _cpu_copy(model_sd)
+            tensors["optim.pt"] = _cpu_copy(optim_sd)
+            tensors["scaler.pt"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()
+                                    if isinstance(v, (int, float))}
+            jsons["trainer.json"] = {
                 "step": self.step, "epoch": self.epoch, "pos": self.pos, "world_size": self.dist.world,
                 "history": self.history, "best": self.best, "bad_epochs": self.bad_epochs,
+                "skip": sorted(self.skip), "spike_window": self.spikes.state(),
+                "lr_schedule": self.sched.state_dict(),
                 "model": self.cfg.model, "input_shape": self.cfg.input_shape, "num_classes": self.cfg.num_classes,
-                "hidden_size": self.cfg.hidden_size, "reason": reason})
-        path = w.commit()
-        if self.rank == 0:
-            keep = {self.best["step"]} if self.best else set()
-            ckpt.prune(self.ckpt_root, keep_last=self.cfg.keep_last, keep=keep)
+                "hidden_size": self.cfg.hidden_size, "parallelism": self.cfg.parallelism, "reason": reason}
+        keep = {self.best["step"]} if self.best else set()
+        use_async = self.cfg.checkpoint_async if asynchronous is None else asynchronous
+        self.saver.save(self.step, tensors, jsons, keep=keep, asynchronous=use_async)
+        blocked = time.monotonic() - t0
         self._last_save = time.monotonic()
-        self.event("checkpoint", path=str(path), reason=reason, seconds=round(time.monotonic() - t0, 4))
-        return path
+        self.metrics.set(checkpoint_save_seconds=blocked)
+        self.metrics.event("checkpoint", self.step, reason=reason, blocked_seconds=round(blocked, 4),
+                           asynchronous=use_async)
 
-    def resume(self) -> None:
+    def resume(self, path: Path | None = None) -> bool:
         import torch
 
-        path = ckpt.latest_valid(self.ckpt_root, log=self.log)
+        t0 = time.monotonic()
+        path = path or ckpt.latest_valid(self.ckpt_root, log=self.log)
         if path is None:
             self.log("no committed checkpoint; starting from scratch")
-            return
+            return False
         state = ckpt.read_trainer_state(path)
-        if state["input_shape"] != self.cfg.input_shape or state["num_classes"] != self.cfg.num_classes \
-                or state["model"] != self.cfg.model or state.get("hidden_size") != self.cfg.hidden_size:
-            raise ckpt.CheckpointError(f"{path}: checkpoint is for model {state['model']} {state['input_shape']}"
-                                       f" -> {state['num_classes']}, not this run's model; refusing to resume")
+        mine = (self.cfg.model, self.cfg.input_shape, self.cfg.num_classes, self.cfg.hidden_size)
+        theirs = (state["model"], state["input_shape"], state["num_classes"], state.get("hidden_size"))
+        if mine != theirs:
+            raise ckpt.CheckpointError(f"{path}: checkpoint is for model {theirs[0]} {theirs[1]} -> {theirs[2]} classes"
+                                       f" (hidden {theirs[3]}), not this run's {mine[0]} {mine[1]} -> {mine[2]}"
+                                       f" (hidden {mine[3]}); refusing to resume")
+        model_sd = ckpt.load_tensors(path / "model.pt")
+        if self.cfg.resume_average_last > 1:
+            recent = ckpt.committed(self.ckpt_root)[-self.cfg.resume_average_last:]
+            model_sd = ckpt.average(recent)
+            self.log(f"resuming from the average of {len(recent)} checkpoints: {', '.join(p.name for p in recent)}")
         try:
-            self._raw_model().load_state_dict(ckpt.load_tensors(path / "model.pt"))
-            self.opt.load_state_dict(ckpt.load_tensors(path / "optim.pt"))
+            self._load_model_state(model_sd, ckpt.load_tensors(path / "optim.pt"))
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise ckpt.CheckpointError(f"{path}: does not fit this model ({exc})") from exc
+            raise ckpt.CheckpointError(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
         scaler = ckpt.load_tensors(path / "scaler.pt")
-        self.scaler.load_state_dict({k: v.item() if hasattr(v, "item") else v for k, v in scaler.items()})
+        if scaler:
+            self.scaler.load_state_dict({k: v.item() for k, v in scaler.items()})
         rng_file = path / f"rng-rank{self.rank}.pt"
         if rng_file.exists() and state["world_size"] == self.dist.world:
             rng = ckpt.load_tensors(rng_file)
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"], self.dist.device)
+        elif state["world_size"] != self.dist.world:
+            self.log(f"world size changed {state['world_size']} -> {self.dist.world}: weights and optimizer kept,"
+                     f" RNG streams and the data order restart for the new world")
         self.step, self.epoch, self.pos = state["step"], state["epoch"], state["pos"]
         self.history, self.best, self.bad_epochs = state["history"], state["best"], state["bad_epochs"]
-        self.log(f"resumed from {path} (epoch {self.epoch}, step {self.step})")
-        self.event("resume", path=str(path))
+        self.skip = {tuple(x) for x in state.get("skip", [])}
+        self.spikes.load(state.get("spike_window", []))
+        if state.get("lr_schedule"):
+            self.sched.load_state_dict(state["lr_schedule"])
+        seconds = time.monotonic() - t0
+        self.metrics.set(checkpoint_load_seconds=seconds)
+        self.log(f"resumed from {path} (epoch {self.epoch}, step {self.step}) in {seconds:.2f}s")
+        self.metrics.event("resume", self.step, path=str(path), seconds=round(seconds, 4))
+        return True
 
     # -- the loop ----------------------------------------------------------------------------------
 
-    def _forward_loss(self, x, y):
+    def _forward_loss(self, x, y, poison: bool):
         import torch
         import torch.nn.functional as F
 
-        if self.autocast_dtype is not None:
-            with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype):
-                return F.cross_entropy(self.model(x).float(), y)
-        return F.cross_entropy(self.model(x), y)
+        ctx = torch.autocast(self.dist.device.type, dtype=self.autocast_dtype) \
+            if self.autocast_dtype is not None else contextlib.nullcontext()
+        with ctx:
+            loss = F.cross_entropy(self.model(x).float(), y)
+        return loss * float("nan") if poison else loss
 
-    def train_epoch(self) -> None:
-        import contextlib
+    def _anomaly(self, kind: str, **fields: Any) -> None:
+        self.metrics.anomaly(kind)
+        self.metrics.event("anomaly", self.step, kind=kind, epoch=self.epoch, pos=self.pos, **fields)
 
+    def train_epoch(self) -> bool:
+        """Train the rest of the current epoch; False when a rollback moved to another epoch."""
         import torch
 
         cfg = self.cfg
@@ -222,92 +339,150 @@ class Trainer:
         per_step = cfg.micro_batch_size * cfg.grad_accum_steps
         steps = len(order) // per_step
         if steps == 0:
-            raise DivergenceError("no full optimizer step fits in an epoch: too few training rows for the batch",
-                                  failure_class="data")
+            raise TrainingFailure(f"no full optimizer step fits in an epoch: {len(order)} rows per rank for"
+                                  f" {per_step} samples per step", failure_class="data")
         x_all = torch.from_numpy(self.train_data.features)
         y_all = torch.from_numpy(self.train_data.labels)
         self.model.train()
         t_epoch = time.monotonic()
+        trained = 0
+        epoch = self.epoch
         while self.pos < steps:
+            if self.epoch != epoch:
+                return False  # rolled back into an earlier epoch: its data order must be rebuilt
+            if (self.epoch, self.pos) in self.skip:
+                self.pos += 1
+                continue
+            self.faults.fire(self.step + 1)
+            t0 = time.monotonic()
             base = self.pos * per_step
-            losses = []
+            batches = []
             for micro in range(cfg.grad_accum_steps):
-                idx = torch.from_numpy(order[base + micro * cfg.micro_batch_size: base + (micro + 1) * cfg.micro_batch_size])
-                x = x_all[idx].to(self.dist.device, non_blocking=True)
-                y = y_all[idx].to(self.dist.device, non_blocking=True)
+                idx = torch.from_numpy(order[base + micro * cfg.micro_batch_size:
+                                             base + (micro + 1) * cfg.micro_batch_size])
+                batches.append((x_all[idx].to(self.dist.device, non_blocking=True),
+                                y_all[idx].to(self.dist.device, non_blocking=True)))
+            t1 = time.monotonic()
+            poison = self.faults.poison(self.step + 1)
+            local_loss = 0.0
+            for micro, (x, y) in enumerate(batches):
                 last = micro == cfg.grad_accum_steps - 1
-                sync = contextlib.nullcontext() if last or not self.dist.enabled else self.model.no_sync()
+                sync = contextlib.nullcontext() if last or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel) \
+                    else self.model.no_sync()
                 with sync:
-                    loss = self._forward_loss(x, y) / cfg.grad_accum_steps
+                    loss = self._forward_loss(x, y, poison) / cfg.grad_accum_steps
                     self.scaler.scale(loss).backward()
-                losses.append(loss.detach())
+                local_loss += float(loss.detach())
+            t2 = time.monotonic()
             self.scaler.unscale_(self.opt)
-            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
-            step_loss = float(torch.stack(losses).sum())
-            if not math.isfinite(step_loss) or not math.isfinite(float(gnorm)):
-                if self.autocast_dtype is None or self.autocast_dtype == torch.bfloat16:
-                    raise DivergenceError(f"loss or gradient is not finite at step {self.step} (loss {step_loss}, "
-                                          f"grad norm {float(gnorm)})")
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
+            gnorm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP
+            nonfinite = not (math.isfinite(local_loss) and math.isfinite(gnorm))
+            due = time.monotonic() - self._last_save >= cfg.checkpoint_every_seconds
+            flags = self.dist.all_sum([local_loss if math.isfinite(local_loss) else 0.0, float(nonfinite),
+                                       float(self.preempt_at is not None), float(due)])
+            loss_global = flags[0] / self.dist.world
+            if flags[1] and not self.scaler.is_enabled():
+                self._diverged(gnorm)
+            if self.step % cfg.stats_every_steps == 0 and self.rank == 0:
+                self.metrics.event("grad_stats", self.step, grad_norm=gnorm, **grad_stats(self.raw_model.parameters()))
+            z = self.spikes.check(loss_global) if not flags[1] else None
+            if z is not None:
+                self._anomaly("loss_spike", loss=loss_global, zscore=round(z, 2), action=cfg.spike_action)
+                if cfg.spike_action == "rollback" and self._rollback():
+                    continue
+                self.save("anomaly", asynchronous=False)  # the last good state: before this step applies
             self.scaler.step(self.opt)
             self.scaler.update()
             self.opt.zero_grad(set_to_none=True)
+            t3 = time.monotonic()
             self.step += 1
             self.pos += 1
+            trained += 1
             self.heartbeat()
+            self.metrics.phases(data=t1 - t0, compute=t2 - t1, communication_optimizer=t3 - t2)
+            self.metrics.set(step=self.step, loss=loss_global, grad_norm=gnorm, loss_scale=self.scaler.get_scale(),
+                             learning_rate=self.opt.param_groups[0]["lr"], memory_bytes=memory_bytes(self.dist.device),
+                             samples_per_second=per_step * self.dist.world / max(t3 - t0, 1e-9), **self.nvml.read())
             if self.step % 10 == 0:
-                self.event("step", epoch=self.epoch, loss=step_loss, grad_norm=float(gnorm))
-            due = (cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0) or \
-                (time.monotonic() - self._last_save >= cfg.checkpoint_every_seconds)
-            preempt = self.dist.any_flag(self.preempt)
-            if due or preempt:
-                self.save("preempted" if preempt else "interval")
-            if preempt:
-                raise Preempted(f"SIGTERM received; checkpoint saved at step {self.step}")
+                self.metrics.event("step", self.step, epoch=self.epoch, loss=loss_global, grad_norm=gnorm,
+                                   data_s=round(t1 - t0, 6), compute_s=round(t2 - t1, 6), comm_opt_s=round(t3 - t2, 6))
+            if flags[2]:
+                self.saver.wait()
+                self.save("preempted", asynchronous=False)
+                raise Preempted(f"SIGTERM received; checkpoint committed at step {self.step}")
+            if (cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0) or flags[3]:
+                self.save("interval")
         seconds = time.monotonic() - t_epoch
-        rate = steps * per_step * self.dist.world / max(seconds, 1e-9)
+        rate = trained * per_step * self.dist.world / max(seconds, 1e-9)
         left = (cfg.epochs - self.epoch - 1) * seconds
-        self.log(f"epoch {self.epoch + 1}/{cfg.epochs}: {steps} steps in {seconds:.2f}s, {rate:.0f} samples/s,"
+        self.log(f"epoch {self.epoch + 1}/{cfg.epochs}: {trained} steps in {seconds:.2f}s, {rate:.0f} samples/s,"
                  f" ETA {left:.0f}s at most (early stopping may end sooner)")
+        return True
+
+    def _diverged(self, gnorm: float) -> None:
+        """Non-finite loss or gradients on some rank: keep the last good state and skip the batch next time."""
+        self._anomaly("nonfinite", grad_norm=gnorm)
+        self.opt.zero_grad(set_to_none=True)
+        self.skip.add((self.epoch, self.pos))
+        self.saver.wait()
+        self.save("anomaly", asynchronous=False)
+        raise DivergenceError(f"loss or gradients not finite at step {self.step + 1} (epoch {self.epoch}, batch"
+                              f" {self.pos}); last good state checkpointed, the batch will be skipped on resume")
+
+    def _rollback(self) -> bool:
+        """Back to the last committed checkpoint, with the current batch on the skip list."""
+        self.saver.wait()
+        bad = (self.epoch, self.pos)
+        path = ckpt.latest_valid(self.ckpt_root, log=self.log)
+        if path is None:
+            return False
+        self.opt.zero_grad(set_to_none=True)
+        self.resume(path)
+        self.skip.add(bad)
+        self.log(f"loss spike at epoch {bad[0]} batch {bad[1]}: rolled back to {path.name}, batch skipped")
+        return True
 
     def evaluate(self, data: Split) -> dict[str, float]:
         import torch
         import torch.nn.functional as F
 
-        model = self._raw_model()
+        model = self.raw_model  # under FSDP the sharded module itself; its forward gathers the weights
         model.eval()
-        # Each rank scores its own slice; sums are all-reduced.
-        idx = range(self.rank, len(data), self.dist.world)
-        x = torch.from_numpy(data.features[list(idx)]).to(self.dist.device)
-        y = torch.from_numpy(data.labels[list(idx)]).to(self.dist.device)
+        idx = list(range(self.rank, len(data), self.dist.world))
+        x = torch.from_numpy(data.features[idx]).to(self.dist.device)
+        y = torch.from_numpy(data.labels[idx]).to(self.dist.device)
         with torch.no_grad():
-            logits = model(x) if len(y) else torch.zeros(0, self.cfg.num_classes)
-            loss_sum = float(F.cross_entropy(logits.float(), y, reduction="sum")) if len(y) else 0.0
-            correct = float((logits.argmax(1) == y).sum()) if len(y) else 0.0
+            logits = model(x).float()
+            loss_sum = float(F.cross_entropy(logits, y, reduction="sum")) if len(y) else 0.0
+            correct = float((logits.argmax(1) == y).sum())
         n, loss_sum, correct = self.dist.all_sum([float(len(y)), loss_sum, correct])
         return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(n, 1), "samples": n}
 
     def improved(self, value: float) -> bool:
         if self.best is None:
             return True
-        best = self.best["value"]
         if self.cfg.mode == "max":
-            return value > best + self.cfg.min_delta
-        return value < best - self.cfg.min_delta
+            return value > self.best["value"] + self.cfg.min_delta
+        return value < self.best["value"] - self.cfg.min_delta
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         self.resume()
-        self.log(f"world {self.dist.world} ({self.dist.backend}), {len(self.train_data)} train rows, "
-                 f"micro-batch {cfg.micro_batch_size} x accum {cfg.grad_accum_steps}, epochs {cfg.epochs}")
-        stopped_early = False
-        if self.history and self.bad_epochs >= cfg.patience:
-            stopped_early = True  # resumed after the stop decision was already taken
+        self.heartbeat()
+        self.log(f"world {self.dist.world} ({self.dist.backend}, {cfg.parallelism}), {len(self.train_data)} train"
+                 f" rows, micro-batch {cfg.micro_batch_size} x accum {cfg.grad_accum_steps}, lr {self.lr:g},"
+                 f" epochs {cfg.epochs}")
+        stopped_early = bool(self.history) and self.bad_epochs >= cfg.patience
         while not stopped_early and self.epoch < cfg.epochs:
-            self.train_epoch()
+            if not self.train_epoch():
+                continue
             scores = self.evaluate(self.val_data)
             value = scores[cfg.metric]
             is_best = self.improved(value)
-            self.history.append({"epoch": self.epoch, "step": self.step, **scores})
+            self.history.append({"epoch": self.epoch, "step": self.step, "lr": self.opt.param_groups[0]["lr"],
+                                 **scores})
+            self.sched.step(value)
             self.epoch += 1
             self.pos = 0
             if is_best:
@@ -317,17 +492,19 @@ class Trainer:
                 self.bad_epochs += 1
             self.log(f"epoch {self.epoch}/{cfg.epochs}: val {cfg.metric} {value:.4f}"
                      f"{' (best)' if is_best else f' (no improvement {self.bad_epochs}/{cfg.patience})'}")
-            self.event("epoch", epoch=self.epoch - 1, best=is_best, **scores)
+            self.metrics.event("epoch", self.step, epoch=self.epoch - 1, best=is_best, **scores)
             self.save("epoch")
             if self.bad_epochs >= cfg.patience:
                 stopped_early = True
                 self.log(f"early stop: no improvement in {cfg.patience} epochs")
+        self.saver.wait()
+        self.watchdog.stop()
         summary = {
             "steps": self.step, "epochs": self.epoch, "stopped_early": stopped_early,
             "best": self.best, "history": self.history,
             "best_checkpoint": str(self.ckpt_root / ckpt.step_dir_name(self.best["step"])) if self.best else None,
             "last_checkpoint": str(self.ckpt_root / ckpt.step_dir_name(self.step)),
-            "world_size": self.dist.world,
+            "world_size": self.dist.world, "skipped_batches": sorted(self.skip),
         }
         if self.rank == 0:
             tmp = self.out / ".summary.json.tmp"

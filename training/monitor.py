@@ -1,0 +1,203 @@
+"""Stability monitors and metrics: loss-spike detection, gradient statistics, the hang watchdog, and the
+per-rank Prometheus endpoint plus JSON-lines event log."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+
+class SpikeDetector:
+    """Flags a loss more than `zscore` standard deviations above the mean of the trailing window."""
+
+    def __init__(self, *, window: int = 50, zscore: float = 3.0, min_points: int = 10):
+        self.window: deque[float] = deque(maxlen=window)
+        self.zscore = zscore
+        self.min_points = min_points
+
+    def check(self, loss: float) -> float | None:
+        """The z-score if `loss` is a spike (then it is not added to the window), else None."""
+        if len(self.window) >= self.min_points:
+            mean = sum(self.window) / len(self.window)
+            var = sum((x - mean) ** 2 for x in self.window) / (len(self.window) - 1)
+            std = math.sqrt(var)
+            if std > 0:
+                z = (loss - mean) / std
+                if z > self.zscore:
+                    return z
+        self.window.append(loss)
+        return None
+
+    def state(self) -> list[float]:
+        return list(self.window)
+
+    def load(self, values: list[float]) -> None:
+        self.window.clear()
+        self.window.extend(values)
+
+
+def grad_stats(parameters, *, bins: int = 20, lo: float = -12.0, hi: float = 2.0) -> dict[str, Any]:
+    """Histogram of log10|g| over all gradients, and the share of zero and non-finite entries."""
+    import torch
+
+    # Under FSDP a gradient is a DTensor: this rank's shard is what it can see without a collective.
+    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().reshape(-1).float()
+             for p in parameters if p.grad is not None]
+    if not grads:
+        return {}
+    g = torch.cat(grads)
+    finite = torch.isfinite(g)
+    mag = g[finite].abs()
+    nonzero = mag[mag > 0]
+    hist = torch.histc(nonzero.log10().clamp(lo, hi), bins=bins, min=lo, max=hi) if nonzero.numel() else torch.zeros(bins)
+    return {
+        "histogram_log10_abs": [int(c) for c in hist.tolist()], "range": [lo, hi],
+        "zero_fraction": float(1 - nonzero.numel() / max(g.numel(), 1)),
+        "nonfinite": int((~finite).sum()), "max_abs": float(mag.max()) if mag.numel() else 0.0,
+    }
+
+
+class Watchdog:
+    """Ends the process when no progress is reported for `timeout` seconds (a hang), after dumping
+    every thread's stack to stderr and to `stacks-rank<R>.txt`."""
+
+    def __init__(self, timeout: float, *, out_dir: Path, rank: int, on_hang: Callable[[], None]):
+        self.timeout = timeout
+        self.out_dir = out_dir
+        self.rank = rank
+        self.on_hang = on_hang
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ballast-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout:
+                path = self.out_dir / f"stacks-rank{self.rank}.txt"
+                with open(path, "w") as fh:
+                    fh.write(f"no progress for {idle:.0f}s (hang timeout {self.timeout:.0f}s)\n")
+                    faulthandler.dump_traceback(file=fh, all_threads=True)
+                print(f"[train] rank {self.rank}: no progress for {idle:.0f}s; stacks in {path}", file=sys.stderr,
+                      flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                self.on_hang()
+                return
+
+
+class Metrics:
+    """Per-rank Prometheus gauges (when a port is given) and rank 0's JSON-lines event log."""
+
+    def __init__(self, *, out_dir: Path, rank: int, port: int | None):
+        self.out_dir = out_dir
+        self.rank = rank
+        self.events_path = out_dir / "metrics.jsonl"
+        self.port = None
+        self._g: dict[str, Any] = {}
+        if port is not None:
+            from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+            self.registry = CollectorRegistry()
+            labels = ["rank"]
+            for name, doc in (("step", "optimizer steps taken"), ("loss", "training loss (global mean)"),
+                              ("grad_norm", "gradient norm before clipping"), ("loss_scale", "dynamic loss scale"),
+                              ("samples_per_second", "training samples per second, all ranks"),
+                              ("learning_rate", "current learning rate"),
+                              ("memory_bytes", "resident memory of this process (GPU: allocated)"),
+                              ("checkpoint_save_seconds", "time training was blocked by the last save"),
+                              ("checkpoint_load_seconds", "time the last resume took"),
+                              ("gpu_utilization_percent", "GPU utilisation (NVML)"),
+                              ("gpu_temperature_celsius", "GPU temperature (NVML)")):
+                self._g[name] = Gauge(f"ballast_train_{name}", doc, labels, registry=self.registry)
+            self._g["step_seconds"] = Gauge("ballast_train_step_seconds", "time per step by phase",
+                                            ["rank", "phase"], registry=self.registry)
+            self._g["anomalies"] = Counter("ballast_train_anomalies", "anomalies seen", ["rank", "kind"],
+                                           registry=self.registry)
+            start_http_server(port + rank, addr="127.0.0.1", registry=self.registry)
+            self.port = port + rank
+
+    def set(self, **values: float) -> None:
+        for name, value in values.items():
+            g = self._g.get(name)
+            if g is not None and value is not None:
+                g.labels(rank=str(self.rank)).set(value)
+
+    def phases(self, **seconds: float) -> None:
+        g = self._g.get("step_seconds")
+        if g is not None:
+            for phase, value in seconds.items():
+                g.labels(rank=str(self.rank), phase=phase).set(value)
+
+    def anomaly(self, kind: str) -> None:
+        c = self._g.get("anomalies")
+        if c is not None:
+            c.labels(rank=str(self.rank), kind=kind).inc()
+
+    def event(self, kind: str, step: int, **fields: Any) -> None:
+        if self.rank != 0 and kind not in ("anomaly", "loss_spike", "nonfinite"):
+            return
+        record = {"event": kind, "time": time.time(), "step": step, "rank": self.rank, **fields}
+        with open(self.events_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def memory_bytes(device) -> int:
+    try:
+        import torch
+
+        if device.type == "cuda":
+            return int(torch.cuda.memory_allocated(device))
+    except Exception:
+        pass
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class Nvml:
+    """GPU utilisation and temperature through NVML; absent (None) on machines without it."""
+
+    def __init__(self, device_index: int | None):
+        self.handle = None
+        if device_index is None:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._nv = pynvml
+        except Exception:
+            self.handle = None
+
+    def read(self) -> dict[str, float]:
+        if self.handle is None:
+            return {}
+        try:
+            util = self._nv.nvmlDeviceGetUtilizationRates(self.handle)
+            temp = self._nv.nvmlDeviceGetTemperature(self.handle, self._nv.NVML_TEMPERATURE_GPU)
+            mem = self._nv.nvmlDeviceGetMemoryInfo(self.handle)
+            return {"gpu_utilization_percent": float(util.gpu), "gpu_temperature_celsius": float(temp),
+                    "gpu_memory_used_bytes": float(mem.used)}
+        except Exception:
+            return {}
