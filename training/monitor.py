@@ -151,10 +151,10 @@ class Metrics:
         if c is not None:
             c.labels(rank=str(self.rank), kind=kind).inc()
 
-    def event(self, kind: str, step: int, **fields: Any) -> None:
-        if self.rank != 0 and kind not in ("anomaly", "loss_spike", "nonfinite"):
+    def event(self, name: str, step: int, **fields: Any) -> None:
+        if self.rank != 0 and name != "anomaly":
             return
-        record = {"event": kind, "time": time.time(), "step": step, "rank": self.rank, **fields}
+        record = {"event": name, "time": time.time(), "step": step, "rank": self.rank, **fields}
         with open(self.events_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
 

@@ -208,8 +208,10 @@ class Trainer:
 
     def heartbeat(self) -> None:
         self.watchdog.beat()
-        if self.rank == 0:
-            (self.out / "heartbeat").write_text(f"{self.step} {time.time()}\n")
+        if self.rank == 0:  # "<step> <unix time>", replaced atomically so readers never see it half written
+            tmp = self.out / ".heartbeat.tmp"
+            tmp.write_text(f"{self.step} {time.time()}\n")
+            os.replace(tmp, self.out / "heartbeat")
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -226,9 +228,10 @@ class Trainer:
         if self.cfg.parallelism == "fsdp" and self.dist.enabled:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_state_dict(self.raw_model, self.opt, model_state_dict=model_sd if self.rank == 0 else {},
-                           optim_state_dict=(optim_sd or {}) if self.rank == 0 else {}, options=opts)
+            # Every rank read the full state from the (shared) checkpoint directory; each keeps its shard.
+            # (broadcast_from_rank0 with empty dicts on the other ranks hung on gloo here.)
+            set_state_dict(self.raw_model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd or {},
+                           options=StateDictOptions(full_state_dict=True))
             return
         self.raw_model.load_state_dict(model_sd)
         if optim_sd is not None:

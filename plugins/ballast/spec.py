@@ -197,6 +197,35 @@ class CheckpointSpec(_Model):
     """Save at least this often (seed documents: hourly)."""
     keep_last: int = Field(3, ge=1, le=100)
     """Committed checkpoints kept, besides the best one."""
+    asynchronous: bool = True
+    """Write checkpoints in the background; training waits only for an in-memory snapshot."""
+    resume_average_last: int = Field(0, ge=0, le=100)
+    """On resume, start from the mean weights of the last N checkpoints (seed documents: 3); 0 = off."""
+
+
+class LossScaleSpec(_Model):
+    initial: float = Field(8192.0, gt=0)
+    """Initial dynamic loss scale for fp16 (seed documents: 8192; PyTorch's default is 65536)."""
+    growth_interval: int = Field(100, ge=1)
+    """Steps without overflow before the scale grows (seed documents: 100; PyTorch's default is 2000)."""
+
+
+class PlateauSpec(_Model):
+    patience: int = Field(5, ge=1, le=1000)
+    """Epochs without validation improvement before the learning rate is reduced (seed documents: 5)."""
+    factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """Multiplier applied to the learning rate on a plateau (seed documents: 0.5)."""
+
+
+class MonitorSpec(_Model):
+    spike_zscore: float = Field(3.0, gt=0)
+    """A loss this many standard deviations above the trailing window is a spike (seed documents: 3)."""
+    spike_window: int = Field(50, ge=5, le=100_000)
+    """Steps in the trailing window of the spike detector."""
+    spike_action: Literal["alert", "rollback"] = "alert"
+    """alert: an event and an immediate checkpoint; rollback: back to the last checkpoint, batch skipped."""
+    stats_every_steps: int = Field(50, ge=1)
+    """Gradient norm and histogram statistics every N steps."""
 
 
 class TrainingSpec(_Model):
@@ -230,6 +259,23 @@ class TrainingSpec(_Model):
     """Seed of model init, shuffling and dropout."""
     checkpoint: CheckpointSpec = CheckpointSpec()
     """When checkpoints are written and how many are kept."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: replicated weights; fsdp: fully sharded weights, gradients and optimizer state (ZeRO-3)."""
+    gradient_compression: Literal["none", "fp16", "bf16"] = "none"
+    """DDP gradient compression hook for slow networks (ddp only)."""
+    lr_reference_batch_size: int | None = Field(None, ge=1)
+    """If set, the learning rate is scaled linearly by global_batch_size / this (seed documents: 32 per
+    device as the reference)."""
+    loss_scale: LossScaleSpec = LossScaleSpec()
+    """Dynamic loss scaling for fp16."""
+    lr_plateau: PlateauSpec = PlateauSpec()
+    """Learning-rate decay when the validation metric stops improving."""
+    monitors: MonitorSpec = MonitorSpec()
+    """Loss-spike detection and gradient statistics."""
+    gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    """Per-process GPU memory cap (seed documents: under 90%)."""
+    cpu_reserve_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+    """Share of CPU cores left to data loading (seed documents: 20%)."""
 
     @field_validator("model")
     @classmethod
@@ -237,6 +283,18 @@ class TrainingSpec(_Model):
         if v not in MODEL_NAMES:
             raise ValueError(f"unknown model {v!r}; known: {', '.join(MODEL_NAMES)}")
         return v
+
+    @model_validator(mode="after")
+    def _check_parallelism(self) -> TrainingSpec:
+        if self.parallelism == "fsdp" and self.gradient_compression != "none":
+            raise ValueError("gradient_compression: DDP compression hooks do not apply to fsdp; set none")
+        return self
+
+    @property
+    def effective_learning_rate(self) -> float:
+        if self.lr_reference_batch_size is None:
+            return self.learning_rate
+        return self.learning_rate * self.global_batch_size / self.lr_reference_batch_size
 
     @property
     def world_size(self) -> int:
@@ -264,6 +322,8 @@ class RecoverySpec(_Model):
     """Wait before a retry."""
     max_restarts: int = Field(0, ge=0, le=100)
     """torchrun restarts of the process group within one try."""
+    preempt_grace_seconds: float = Field(60.0, gt=0)
+    """After SIGTERM (preemption notice), time allowed to commit a checkpoint before exiting."""
     oom_micro_batch_factor: float = Field(0.5, gt=0.0, lt=1.0)
     """After an out-of-memory failure the next try multiplies the micro-batch by this factor
     (global batch kept through gradient accumulation)."""
@@ -356,7 +416,10 @@ class ExecutionSpec(_Model):
     kubernetes: KubernetesSpec | None = None
     """Pod settings; required when backend is kubernetes."""
     hang_timeout_seconds: float = Field(1800.0, gt=0)
-    """Training attempt without a finished epoch for this long counts as hung and is ended."""
+    """A training process without a finished step for this long counts as hung: its stacks are dumped
+    and it is ended."""
+    metrics_port: int | None = Field(None, ge=1024, le=65000)
+    """First port of the per-rank Prometheus endpoints (rank r serves on port + r); none if unset."""
 
     @model_validator(mode="after")
     def _check_backend(self) -> ExecutionSpec:

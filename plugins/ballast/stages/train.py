@@ -53,7 +53,9 @@ def run(ctx: RunContext) -> dict:
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
     ctx.log.info("launching: %s", " ".join(argv))
-    rc, hung = _supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds)
+    # The trainer's own watchdog (same timeout) fires first and classifies the hang; this outer guard
+    # catches what it cannot see, such as a group stuck in rendezvous before the first step.
+    rc, hung = _supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60)
     if rc != 0:
         record = read_record(out_dir)
         if hung:

@@ -1,0 +1,223 @@
+"""The failure contract: every injected fault ends with its class's exit code and failure record, and
+the recovery paths (skip a poisoned batch, preemption checkpoint, rendezvous restarts) hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ballast.launch import run_config
+from ballast.spec import parse_spec
+from ballast.stages import convert, validate, warm_cache
+from conftest import example_data
+from test_stages import make_ctx, run_chain
+from training import checkpoint as ckpt
+from training.failure import EXIT_CODES
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, digits_raw) -> dict:
+    ctx = make_ctx(tmp_path_factory.mktemp("faults"), digits_raw)
+    return run_chain(ctx, validate, convert, warm_cache)["warm_cache"]
+
+
+def config(tmp: Path, cache: dict, *, epochs: int = 2, edit=None, **overrides) -> Path:
+    d = example_data()
+    d["training"].update(epochs=epochs, processes_per_node=1, global_batch_size=32)
+    d["evaluation"]["patience"] = 50
+    if edit:
+        edit(d)
+    cfg = run_config(parse_spec(d), data_dir=cache["cache_dir"], data_format=cache["format"],
+                     checkpoint_dir=str(tmp / "ckpt"), output_dir=str(tmp / "out"))
+    cfg.update(overrides)
+    path = tmp / "run.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run_single(cfg: Path, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "training", "--config", str(cfg)], capture_output=True, text=True,
+                          timeout=180, **kw)
+
+
+def record(tmp: Path) -> dict:
+    return json.loads((tmp / "out" / "failure.json").read_text())
+
+
+@pytest.mark.parametrize("kind,cls", [("oom", "oom"), ("error", "user_code"), ("comm", "communication")])
+def test_injected_fault_gives_class_exit_code_and_record(tmp_path, cache, kind, cls):
+    proc = run_single(config(tmp_path, cache, faults=[{"kind": kind, "step": 7}]))
+    assert proc.returncode == EXIT_CODES[cls], proc.stderr[-2000:]
+    rec = record(tmp_path)
+    assert rec["class"] == cls and rec["step"] == 6 and rec["rank"] == 0 and rec["exit_code"] == EXIT_CODES[cls]
+    assert rec["retryable"] is (cls in ("oom", "communication"))
+
+
+def test_nan_checkpoints_last_good_state_and_next_try_skips_the_batch(tmp_path, cache):
+    cfg = config(tmp_path, cache, faults=[{"kind": "nan", "step": 9}])
+    first = run_single(cfg)
+    assert first.returncode == EXIT_CODES["divergence"], first.stderr[-2000:]
+    assert record(tmp_path)["class"] == "divergence"
+    latest = ckpt.latest_valid(tmp_path / "ckpt")
+    state = ckpt.read_trainer_state(latest)
+    assert state["reason"] == "anomaly" and state["step"] == 8 and state["skip"] == [[0, 8]]
+    second = run_single(cfg)  # the retry: resumes and steps over the poisoned batch
+    assert second.returncode == 0, second.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["skipped_batches"] == [[0, 8]]
+    events = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "anomaly" and e["kind"] == "nonfinite" for e in events)
+
+
+def test_hang_is_ended_by_the_watchdog_with_stacks(tmp_path, cache):
+    proc = run_single(config(tmp_path, cache, faults=[{"kind": "hang", "step": 5}], hang_timeout_seconds=3))
+    assert proc.returncode == EXIT_CODES["hang"], proc.stderr[-2000:]
+    assert record(tmp_path)["class"] == "hang"
+    stacks = (tmp_path / "out" / "stacks-rank0.txt").read_text()
+    assert "no progress" in stacks and "faults.py" in stacks  # the stack shows where it hung
+
+
+def test_sigterm_commits_a_checkpoint_and_exits_preempted(tmp_path, cache):
+    cfg = config(tmp_path, cache, epochs=200)
+    proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    beat = tmp_path / "out" / "heartbeat"
+    deadline = time.monotonic() + 60
+    while not (beat.exists() and int(beat.read_text().split()[0]) >= 30):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_CODES["preempted"], err[-2000:]
+    rec = record(tmp_path)
+    latest = ckpt.latest_valid(tmp_path / "ckpt")
+    state = ckpt.read_trainer_state(latest)
+    assert rec["class"] == "preempted" and state["reason"] == "preempted" and state["step"] >= 30
+
+
+def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path):
+    script = f"""
+import os, signal, torch
+from training import checkpoint as ckpt
+root = {str(tmp_path)!r}
+for step in (10, 20):
+    w = ckpt.Writer(root, step, rank=0, barrier=lambda: None)
+    w.begin()
+    w.write_tensors("model.pt", {{"w": torch.full((1000,), float(step))}})
+    if step == 20:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies with the save half written
+    w.write_json("trainer.json", {{"step": step}})
+    w.commit()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / ".step-00000020.tmp" / "model.pt").exists()
+    assert ckpt.latest_valid(tmp_path).name == "step-00000010"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(cfg: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *extra, "--module", "training", "--config", str(cfg)]
+
+
+def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path, cache):
+    import torch
+
+    def two_proc(d):
+        d["training"].update(processes_per_node=2, global_batch_size=64, checkpoint={"every_steps": 5})
+
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    ref_dir.mkdir(), run_dir.mkdir()
+    ref = subprocess.run(_torchrun(config(ref_dir, cache, epochs=3, edit=two_proc), "--standalone",
+                                   "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    step = random.Random(os.getpid()).randint(8, 55)
+    cfg = config(run_dir, cache, epochs=3, edit=two_proc, faults=[{"kind": "crash", "step": step, "rank": 1}])
+    run = subprocess.run(_torchrun(cfg, "--standalone", "--nproc-per-node=2", "--max-restarts=3"),
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f"killed at step {step}\n" + run.stderr[-3000:]
+    assert "resumed from" in run.stdout
+    wa = ckpt.load_tensors(ckpt.committed(ref_dir / "ckpt")[-1] / "model.pt")
+    wb = ckpt.load_tensors(ckpt.committed(run_dir / "ckpt")[-1] / "model.pt")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), f"weights differ after a kill at step {step}"
+
+
+def test_two_agents_rendezvous_on_loopback_train_and_resume(tmp_path, cache):
+    def two_nodes(d):
+        d["training"].update(nodes=2, processes_per_node=1, global_batch_size=64)
+
+    port = _free_port()
+
+    def launch(epochs: int) -> list[subprocess.CompletedProcess]:
+        cfg = config(tmp_path, cache, epochs=epochs, edit=two_nodes)
+        args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=two-agents-{epochs}"]
+        agents = [subprocess.Popen(_torchrun(cfg, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  for _ in range(2)]
+        out = []
+        for a in agents:
+            so, se = a.communicate(timeout=240)
+            out.append(subprocess.CompletedProcess(a.args, a.returncode, so, se))
+        return out
+
+    first = launch(1)
+    assert all(p.returncode == 0 for p in first), [p.stderr[-2000:] for p in first]
+    assert "world 2 (gloo" in "".join(p.stdout for p in first)
+    second = launch(2)
+    assert all(p.returncode == 0 for p in second), [p.stderr[-2000:] for p in second]
+    assert "resumed from" in "".join(p.stdout for p in second)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["epochs"] == 2
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["training"].update(parallelism="fsdp"),
+    lambda d: d["training"].update(gradient_compression="fp16"),
+    lambda d: d["training"].update(precision="bf16"),
+], ids=["fsdp", "fp16-compression", "bf16"])
+def test_parallelism_and_precision_options_train_and_resume(tmp_path, cache, edit):
+    def opts(d):
+        d["training"].update(processes_per_node=2, global_batch_size=64)
+        edit(d)
+
+    first = subprocess.run(_torchrun(config(tmp_path, cache, epochs=1, edit=opts), "--standalone",
+                                     "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = subprocess.run(_torchrun(config(tmp_path, cache, epochs=3, edit=opts), "--standalone",
+                                      "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["best"]["value"] > 0.8
+
+
+def test_checkpoint_averaging(tmp_path):
+    import torch
+
+    for step, value in ((10, 1.0), (20, 2.0), (30, 6.0)):
+        w = ckpt.Writer(tmp_path, step, rank=0, barrier=lambda: None)
+        w.begin()
+        w.write_tensors("model.pt", {"w": torch.full((3,), value), "n": torch.tensor(step)})
+        w.commit()
+    avg = ckpt.average(ckpt.committed(tmp_path))
+    assert torch.equal(avg["w"], torch.full((3,), 3.0)) and int(avg["n"]) == 10
+
+
+def test_learning_rate_scales_linearly_with_global_batch():
+    d = example_data()
+    d["training"].update(learning_rate=0.001, lr_reference_batch_size=32, global_batch_size=256,
+                         micro_batch_size=32, processes_per_node=8)
+    assert parse_spec(d).training.effective_learning_rate == pytest.approx(0.008)
