@@ -221,3 +221,23 @@ def test_learning_rate_scales_linearly_with_global_batch():
     d["training"].update(learning_rate=0.001, lr_reference_batch_size=32, global_batch_size=256,
                          micro_batch_size=32, processes_per_node=8)
     assert parse_spec(d).training.effective_learning_rate == pytest.approx(0.008)
+
+
+@pytest.mark.parametrize("action", ["alert", "rollback"])
+def test_loss_spike_alerts_and_rolls_back(tmp_path, cache, action):
+    cfg = config(tmp_path, cache, epochs=2, faults=[{"kind": "spike", "step": 35}], spike_action=action,
+                 spike_window=20, checkpoint_every_steps=10)
+    proc = run_single(cfg)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    spikes = [e for e in events if e["event"] == "anomaly" and e["kind"] == "loss_spike"]
+    # The injected spike (loss x1000) is unmistakable; a noisy small-batch loss may add milder ones.
+    injected = [e for e in spikes if e["step"] == 34]
+    assert len(injected) == 1 and injected[0]["zscore"] > 50
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    if action == "rollback":
+        assert "rolled back to step-00000030" in proc.stdout
+        assert [0, 34] in summary["skipped_batches"]  # 42 steps per epoch here: global step 35 = epoch 0, batch 34
+    else:
+        assert any(e["event"] == "checkpoint" and e["reason"] == "anomaly" and e["step"] == 34 for e in events)
+        assert summary["skipped_batches"] == []

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("crash", "oom", "nan", "hang", "sigterm", "error", "comm")
+KINDS = ("crash", "oom", "nan", "spike", "hang", "sigterm", "error", "comm")
+_LOSS_FAULTS = {"nan": float("nan"), "spike": 1000.0}
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Injector:
     def fire(self, step: int) -> None:
         """Fire the non-numeric faults due at this step (called before the step's forward pass)."""
         fault = self.due(step)
-        if fault is None or fault.kind == "nan":
+        if fault is None or fault.kind in _LOSS_FAULTS:
             return
         fault.marker(self.out_dir, self.rank).write_text(str(time.time()))
         if fault.kind == "crash":
@@ -75,10 +76,11 @@ class Injector:
             while True:
                 time.sleep(3600)
 
-    def poison(self, step: int) -> bool:
-        """True when a NaN should be injected into this step's loss."""
-        fault = self.due(step, "nan")
-        if fault is None:
-            return False
-        fault.marker(self.out_dir, self.rank).write_text(str(time.time()))
-        return True
+    def loss_factor(self, step: int) -> float | None:
+        """A factor to multiply this step's loss by (NaN, or a spike), or None."""
+        for kind, factor in _LOSS_FAULTS.items():
+            fault = self.due(step, kind)
+            if fault is not None:
+                fault.marker(self.out_dir, self.rank).write_text(str(time.time()))
+                return factor
+        return None

@@ -318,7 +318,7 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
 
-    def _forward_loss(self, x, y, poison: bool):
+    def _forward_loss(self, x, y, factor: float | None):
         import torch
         import torch.nn.functional as F
 
@@ -326,7 +326,7 @@ class Trainer:
             if self.autocast_dtype is not None else contextlib.nullcontext()
         with ctx:
             loss = F.cross_entropy(self.model(x).float(), y)
-        return loss * float("nan") if poison else loss
+        return loss * factor if factor is not None else loss
 
     def _anomaly(self, kind: str, **fields: Any) -> None:
         self.metrics.anomaly(kind)
@@ -366,14 +366,14 @@ class Trainer:
                 batches.append((x_all[idx].to(self.dist.device, non_blocking=True),
                                 y_all[idx].to(self.dist.device, non_blocking=True)))
             t1 = time.monotonic()
-            poison = self.faults.poison(self.step + 1)
+            factor = self.faults.loss_factor(self.step + 1)
             local_loss = 0.0
             for micro, (x, y) in enumerate(batches):
                 last = micro == cfg.grad_accum_steps - 1
                 sync = contextlib.nullcontext() if last or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel) \
                     else self.model.no_sync()
                 with sync:
-                    loss = self._forward_loss(x, y, poison) / cfg.grad_accum_steps
+                    loss = self._forward_loss(x, y, factor) / cfg.grad_accum_steps
                     self.scaler.scale(loss).backward()
                 local_loss += float(loss.detach())
             t2 = time.monotonic()
