@@ -241,3 +241,30 @@ def test_loss_spike_alerts_and_rolls_back(tmp_path, cache, action):
     else:
         assert any(e["event"] == "checkpoint" and e["reason"] == "anomaly" and e["step"] == 34 for e in events)
         assert summary["skipped_batches"] == []
+
+
+def test_prometheus_endpoint_serves_training_metrics(tmp_path, cache):
+    import urllib.request
+
+    port = _free_port()
+    cfg = config(tmp_path, cache, faults=[{"kind": "hang", "step": 20}], hang_timeout_seconds=10, metrics_port=port)
+    proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        text = ""
+        while 'ballast_train_step{rank="0"} 19.0' not in text:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.2)
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                continue
+        for metric in ('ballast_train_loss{rank="0"}', 'ballast_train_step_seconds{phase="compute",rank="0"}',
+                       'ballast_train_samples_per_second{rank="0"}', 'ballast_train_memory_bytes{rank="0"}',
+                       'ballast_train_loss_scale{rank="0"}'):
+            assert metric in text
+        assert 'ballast_train_gpu_utilization_percent{' not in text  # no NVML on CPU: declared, never sampled
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == EXIT_CODES["hang"]

@@ -73,3 +73,28 @@ def test_keys_cannot_escape_the_prefix(bucket):
     store = open_storage(f"s3://{bucket}/p")
     with pytest.raises(StorageError, match="would escape its directory"):
         store.write_bytes("../other/x", b"")
+
+
+def test_committed_checkpoints_upload_marker_last(bucket, tmp_path):
+    import torch
+
+    from ballast.context import RunContext
+    from ballast.spec import parse_spec
+    from ballast.stages.train import upload_checkpoints
+    from conftest import example_data
+    from training import checkpoint as ckpt
+
+    for step in (10, 20):
+        w = ckpt.Writer(tmp_path, step, rank=0, barrier=lambda: None)
+        w.begin()
+        w.write_tensors("model.pt", {"w": torch.ones(4) * step})
+        w.commit()
+    (tmp_path / ".step-00000030.tmp").mkdir()  # an unfinished save is not uploaded
+    d = example_data()
+    d["storage"]["uri"] = f"s3://{bucket}/store"
+    ctx = RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id="r1")
+    uploaded = upload_checkpoints(ctx, tmp_path)
+    assert uploaded == [f"s3://{bucket}/store/runs/ballast_digits/r1/checkpoints/step-000000{n}0" for n in (1, 2)]
+    keys = sorted(ctx.storage.list("runs/ballast_digits/r1/checkpoints"))
+    assert len(keys) == 6 and not any("30" in k for k in keys)
+    assert upload_checkpoints(ctx, tmp_path) == []  # already there

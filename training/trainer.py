@@ -123,6 +123,9 @@ class Trainer:
         self.skip: set[tuple[int, int]] = set()  # (epoch, pos) of batches never to train on again
         self.preempt_at: float | None = None
         self._last_save = time.monotonic()
+        self.train_seconds = 0.0  # time inside the step loop (no evaluation, no end-of-epoch save)
+        self.samples = 0
+        self._resumed_at: float | None = None
         self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.metrics_port)
         self.spikes = SpikeDetector(window=cfg.spike_window, zscore=cfg.spike_zscore)
         self.faults = Injector(load_faults(cfg.faults), rank=self.rank, out_dir=self.out)
@@ -312,6 +315,7 @@ class Trainer:
             self.sched.load_state_dict(state["lr_schedule"])
         seconds = time.monotonic() - t0
         self.metrics.set(checkpoint_load_seconds=seconds)
+        self._resumed_at = time.monotonic()
         self.log(f"resumed from {path} (epoch {self.epoch}, step {self.step}) in {seconds:.2f}s")
         self.metrics.event("resume", self.step, path=str(path), seconds=round(seconds, 4))
         return True
@@ -407,6 +411,9 @@ class Trainer:
             self.metrics.set(step=self.step, loss=loss_global, grad_norm=gnorm, loss_scale=self.scaler.get_scale(),
                              learning_rate=self.opt.param_groups[0]["lr"], memory_bytes=memory_bytes(self.dist.device),
                              samples_per_second=per_step * self.dist.world / max(t3 - t0, 1e-9), **self.nvml.read())
+            if self._resumed_at is not None:
+                self.metrics.event("first_step_after_resume", self.step, seconds=time.monotonic() - self._resumed_at)
+                self._resumed_at = None
             if self.step % 10 == 0:
                 self.metrics.event("step", self.step, epoch=self.epoch, loss=loss_global, grad_norm=gnorm,
                                    data_s=round(t1 - t0, 6), compute_s=round(t2 - t1, 6), comm_opt_s=round(t3 - t2, 6))
@@ -417,6 +424,8 @@ class Trainer:
             if (cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0) or flags[3]:
                 self.save("interval")
         seconds = time.monotonic() - t_epoch
+        self.train_seconds += seconds
+        self.samples += trained * per_step * self.dist.world
         rate = trained * per_step * self.dist.world / max(seconds, 1e-9)
         left = (cfg.epochs - self.epoch - 1) * seconds
         self.log(f"epoch {self.epoch + 1}/{cfg.epochs}: {trained} steps in {seconds:.2f}s, {rate:.0f} samples/s,"
@@ -508,6 +517,8 @@ class Trainer:
             "best_checkpoint": str(self.ckpt_root / ckpt.step_dir_name(self.best["step"])) if self.best else None,
             "last_checkpoint": str(self.ckpt_root / ckpt.step_dir_name(self.step)),
             "world_size": self.dist.world, "skipped_batches": sorted(self.skip),
+            "train_seconds": self.train_seconds, "samples": self.samples,
+            "samples_per_second": self.samples / self.train_seconds if self.train_seconds else None,
         }
         if self.rank == 0:
             tmp = self.out / ".summary.json.tmp"

@@ -69,6 +69,7 @@ def run(ctx: RunContext) -> dict:
                           f" (class {cls}, exit code {record['exit_code']})",
                           failure_class=cls, retryable=cls in RETRYABLE)
     summary = json.loads((out_dir / "summary.json").read_text())
+    uploaded = upload_checkpoints(ctx, ckpt_dir)
     best = summary["best"] or {}
     ctx.log.info("training done: %d epochs, %d steps, best val %s %.4f at step %s%s", summary["epochs"],
                  summary["steps"], spec.evaluation.metric, best.get("value", float("nan")), best.get("step"),
@@ -76,7 +77,31 @@ def run(ctx: RunContext) -> dict:
     return {"summary": str(out_dir / "summary.json"), "checkpoint_dir": str(ckpt_dir),
             "best_checkpoint": summary["best_checkpoint"], "last_checkpoint": summary["last_checkpoint"],
             "epochs": summary["epochs"], "steps": summary["steps"], "stopped_early": summary["stopped_early"],
-            "best": best, "micro_batch_size": micro}
+            "best": best, "micro_batch_size": micro, "uploaded_checkpoints": uploaded}
+
+
+def upload_checkpoints(ctx: RunContext, ckpt_dir: Path) -> list[str]:
+    """Copy committed checkpoints to remote storage (nothing to do when storage is this disk).
+
+    Per checkpoint the files go first, then manifest.json, then COMMITTED: a reader of the storage copy
+    applies the same predicate as on local disk.
+    """
+    from training import checkpoint as ckpt
+
+    if ctx.storage.local_path(ctx.run_key) is not None:
+        return []
+    done = []
+    for path in ckpt.committed(ckpt_dir):
+        prefix = f"{ctx.run_key}/checkpoints/{path.name}"
+        if ctx.storage.exists(f"{prefix}/{ckpt.COMMIT_MARKER}"):
+            continue
+        files = sorted(p.name for p in path.iterdir() if p.is_file())
+        order = [f for f in files if f not in (ckpt.MANIFEST, ckpt.COMMIT_MARKER)] + [ckpt.MANIFEST, ckpt.COMMIT_MARKER]
+        for name in order:
+            ctx.storage.upload(path / name, f"{prefix}/{name}")
+        done.append(ctx.storage.describe(prefix))
+        ctx.log.info("checkpoint uploaded: %s", ctx.storage.describe(prefix))
+    return done
 
 
 _RUNNING: set[subprocess.Popen] = set()
