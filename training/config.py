@@ -48,6 +48,8 @@ class RunConfig:
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float = 3600.0
     keep_last: int = 3
+    max_steps: int | None = None
+    max_seconds: float | None = None
     checkpoint_async: bool = True
     resume_average_last: int = 0
     # distributed

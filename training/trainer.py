@@ -59,7 +59,18 @@ class _Dist:
             if cuda:
                 torch.cuda.set_device(self.device)
             timeout = dt.timedelta(seconds=cfg.dist_timeout_seconds)
-            dist.init_process_group(self.backend, timeout=timeout)
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # Under torchrun the agent's store outlives a group restart. Keys are namespaced per restart
+                # so that a restarted group never reads the previous attempt's addresses (a stale address
+                # is a gloo "connectFullMesh failed ... Connection refused").
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
+                                     is_master=False, timeout=timeout)
+                store = dist.PrefixStore(f"ballast/attempt-{attempt}", base)
+                dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
+                                        timeout=timeout)
+            else:
+                dist.init_process_group(self.backend, timeout=timeout)
             self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def barrier(self) -> None:
@@ -126,6 +137,8 @@ class Trainer:
         self.train_seconds = 0.0  # time inside the step loop (no evaluation, no end-of-epoch save)
         self.samples = 0
         self._resumed_at: float | None = None
+        self._started = time.monotonic()
+        self.limit_reached = False
         self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.metrics_port)
         self.spikes = SpikeDetector(window=cfg.spike_window, zscore=cfg.spike_zscore)
         self.faults = Injector(load_faults(cfg.faults), rank=self.rank, out_dir=self.out)
@@ -423,6 +436,11 @@ class Trainer:
                 raise Preempted(f"SIGTERM received; checkpoint committed at step {self.step}")
             if (cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0) or flags[3]:
                 self.save("interval")
+            if (cfg.max_steps is not None and self.step >= cfg.max_steps) or \
+                    (cfg.max_seconds is not None and self.dist.all_sum(
+                        [float(time.monotonic() - self._started >= cfg.max_seconds)])[0] > 0):
+                self.limit_reached = True
+                break
         seconds = time.monotonic() - t_epoch
         self.train_seconds += seconds
         self.samples += trained * per_step * self.dist.world
@@ -489,6 +507,10 @@ class Trainer:
         while not stopped_early and self.epoch < cfg.epochs:
             if not self.train_epoch():
                 continue
+            if self.limit_reached:
+                self.log(f"step or time budget reached at step {self.step} (max_steps / max_seconds)")
+                self.save("limit")
+                break
             scores = self.evaluate(self.val_data)
             value = scores[cfg.metric]
             is_best = self.improved(value)

@@ -11,6 +11,10 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from ballast.bench.parse import bench_parse
 
         return bench_parse(specs=args.specs, repeat=args.repeat)
+    if name in ("overhead", "checkpoint", "recovery"):
+        from ballast.bench import training
+
+        return getattr(training, f"bench_{name}")()
     raise ValueError(f"unknown benchmark {name!r}")
 
 

@@ -1,0 +1,63 @@
+"""A plain, hand-written DDP training loop: the yardstick for `ballast bench overhead`.
+
+Same model, data, order and optimizer as the trainer, with none of its monitors, checkpoints or
+metrics. Run under torchrun with the trainer's run config; writes baseline.json to the output dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from training.config import RunConfig
+    from training.data import epoch_order, load_split
+    from training.models import build_model
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    cfg = RunConfig.load(parser.parse_args().config)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, int(cores * (1 - cfg.cpu_reserve_fraction)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    torch.manual_seed(cfg.seed)
+    data = load_split(Path(cfg.data_dir), "train", fmt=cfg.data_format, feature=cfg.feature, label=cfg.label,
+                      input_shape=cfg.input_shape, num_classes=cfg.num_classes)
+    model = DDP(build_model(cfg.model, input_shape=cfg.input_shape, num_classes=cfg.num_classes,
+                            hidden=cfg.hidden_size, dropout=cfg.dropout))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    x_all, y_all = torch.from_numpy(data.features), torch.from_numpy(data.labels)
+    per_step = cfg.micro_batch_size * cfg.grad_accum_steps
+    seconds, samples = 0.0, 0
+    for epoch in range(cfg.epochs):
+        order = epoch_order(len(data), seed=cfg.seed, epoch=epoch, rank=rank, world=world)
+        steps = len(order) // per_step
+        t0 = time.monotonic()
+        for step in range(steps):
+            idx = torch.from_numpy(order[step * per_step:(step + 1) * per_step])
+            loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        seconds += time.monotonic() - t0
+        samples += steps * per_step * world
+    if rank == 0:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.output_dir) / "baseline.json").write_text(json.dumps(
+            {"train_seconds": seconds, "samples": samples, "samples_per_second": samples / seconds}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
