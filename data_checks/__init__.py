@@ -88,7 +88,11 @@ def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: s
     os.environ.setdefault("TQDM_DISABLE", "1")              # progress bars clutter task logs
     import great_expectations as gx
 
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
     context = gx.get_context(mode="ephemeral")
+    # Progress bars clutter task logs; TQDM_DISABLE alone is missed when tqdm was imported earlier.
+    context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
     source = context.data_sources.add_pandas(name=f"{name}_source")
     asset = source.add_dataframe_asset(name=f"{name}_frame")
     batch = asset.add_batch_definition_whole_dataframe(f"{name}_batch").get_batch(
