@@ -268,3 +268,43 @@ def test_prometheus_endpoint_serves_training_metrics(tmp_path, cache):
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == EXIT_CODES["hang"]
+
+
+def test_average_export_cli(tmp_path):
+    import torch
+
+    for step, value in ((10, 2.0), (20, 4.0)):
+        w = ckpt.Writer(tmp_path / "ckpt", step, rank=0, barrier=lambda: None)
+        w.begin()
+        w.write_tensors("model.pt", {"w": torch.full((2,), value)})
+        w.commit()
+    out = tmp_path / "avg.pt"
+    proc = subprocess.run([sys.executable, "-m", "training.average", str(tmp_path / "ckpt"), "--last", "2",
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert torch.equal(ckpt.load_tensors(out)["w"], torch.full((2,), 3.0))
+    (tmp_path / "ckpt" / "step-00000020" / "model.pt").write_bytes(b"tampered")
+    bad = subprocess.run([sys.executable, "-m", "training.average", str(tmp_path / "ckpt"), "--out", str(out)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "size 8 does not match the manifest" in bad.stderr
+
+
+def test_checkpoint_from_another_model_shape_is_refused(tmp_path, cache):
+    assert run_single(config(tmp_path, cache, epochs=1)).returncode == 0
+    proc = run_single(config(tmp_path, cache, epochs=2, hidden_size=64))
+    assert proc.returncode == EXIT_CODES["data"]
+    assert "refusing to resume" in record(tmp_path)["exception"]
+    assert "(hidden 128), not this run's mlp [8, 8] -> 10 (hidden 64)" in record(tmp_path)["exception"]
+
+
+def test_unknown_optimizer_is_a_config_error(tmp_path, cache):
+    proc = run_single(config(tmp_path, cache, optimizer="lamb"))
+    assert proc.returncode == EXIT_CODES["config"]
+    assert "optimizer: unknown optimizer 'lamb'; known: adamw, sgd" in proc.stderr
+
+
+def test_resume_from_the_average_of_the_last_checkpoints(tmp_path, cache):
+    assert run_single(config(tmp_path, cache, epochs=2, checkpoint_every_steps=20)).returncode == 0
+    proc = run_single(config(tmp_path, cache, epochs=3, checkpoint_every_steps=20, resume_average_last=3))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resuming from the average of 3 checkpoints" in proc.stdout

@@ -102,17 +102,33 @@ class _Dist:
             dist.destroy_process_group()
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """Snapshot a (nested) state: tensors copied to CPU, everything else kept."""
-    import torch
+class _Snapshot:
+    """CPU copies of a nested state, into buffers kept from one save to the next.
 
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
+    Reusing the buffers turns the snapshot into a plain memory copy (no allocation, no first-touch page
+    faults), which is all an asynchronous save blocks training for. The caller must not snapshot while
+    the previous save is still being written (Trainer.save waits for it first).
+    """
+
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self.buffers: dict[tuple, Any] = {}
+
+    def copy(self, obj: Any, path: tuple = ()) -> Any:
+        import torch
+
+        if torch.is_tensor(obj):
+            buf = self.buffers.get(path)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=self.pin)
+                self.buffers[path] = buf
+            buf.copy_(obj.detach())
+            return buf
+        if isinstance(obj, dict):
+            return {k: self.copy(v, path + (k,)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, path + (i,)) for i, v in enumerate(obj))
+        return obj
 
 
 class Trainer:
@@ -191,6 +207,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.autocast_dtype == torch.float16,
                                            init_scale=cfg.loss_scale_init,
                                            growth_interval=cfg.loss_scale_growth_interval)
+        self.snapshot = _Snapshot(pin=self.dist.device.type == "cuda")
         self.saver = ckpt.AsyncSaver(self.ckpt_root, rank=self.rank, barrier=self.dist.ckpt_barrier,
                                      keep_last=cfg.keep_last, log=self.log)
         self.watchdog = Watchdog(cfg.hang_timeout_seconds, out_dir=self.out, rank=self.rank,
@@ -257,15 +274,16 @@ class Trainer:
         import torch
 
         t0 = time.monotonic()
+        self.saver.wait()  # the snapshot buffers are reused: the previous write must be done
         model_sd, optim_sd = self._model_state()
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
-        tensors: dict[str, Any] = {f"rng-rank{self.rank}.pt": _cpu_copy(rng)}
+        tensors: dict[str, Any] = {f"rng-rank{self.rank}.pt": self.snapshot.copy(rng, ("rng",))}
         jsons: dict[str, Any] = {}
         if self.rank == 0:
-            tensors["model.pt"] = _cpu_copy(model_sd)
-            tensors["optim.pt"] = _cpu_copy(optim_sd)
+            tensors["model.pt"] = self.snapshot.copy(model_sd, ("model",))
+            tensors["optim.pt"] = self.snapshot.copy(optim_sd, ("optim",))
             tensors["scaler.pt"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()
                                     if isinstance(v, (int, float))}
             jsons["trainer.json"] = {
