@@ -130,3 +130,13 @@ def test_training_package_never_imports_airflow():
              "print([m for m in sys.modules if m.split('.')[0] in ('airflow', 'ballast')])")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_airflow_does_not_exec_package_files_as_plugins():
+    # Airflow execs every .py under plugins/ as a top-level module named after the file; without
+    # plugins/.airflowignore, plugins/ballast/bench/train_runtime.py and friends would land in
+    # sys.modules under bare names and could shadow real packages (this hid `training` once).
+    from airflow._shared.module_loading import find_path_from_directory
+
+    found = [p for p in find_path_from_directory(str(ROOT / "plugins"), ".airflowignore", "glob") if p.endswith(".py")]
+    assert not any("/ballast/" in p for p in found), found

@@ -162,8 +162,8 @@ def test_prune_keeps_last_k_and_best(tmp_path):
 def test_launch_specs_are_pure_functions():
     spec = load_spec(EXAMPLE_SPEC)
     argv = torchrun_argv(spec, "/run/cfg.json", python="/py")
-    assert argv == ["/py", "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
-                    "--standalone", "--module", "training", "--config", "/run/cfg.json"]
+    assert argv == ["/py", "-m", "training.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+                    "--monitor-interval=0.5", "--standalone", "--module", "training", "--config", "/run/cfg.json"]
     multi = parse_spec({**example_data(), "training": {**example_data()["training"], "nodes": 2, "global_batch_size": 128}})
     argv = torchrun_argv(multi, "c.json", python="/py", rdzv_endpoint="head:29400", run_id="r1")
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=head:29400" in argv and "--standalone" not in argv

@@ -56,11 +56,13 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
 
 def torchrun_argv(spec: Spec, config_path: str | Path, *, python: str = sys.executable,
                   rdzv_endpoint: str | None = None, run_id: str = "ballast") -> list[str]:
-    """torchrun (torch.distributed.run) for one node of the job, as an argument list."""
+    """torchrun for one node of the job, as an argument list (see training/launch.py)."""
     t = spec.training
-    argv = [python, "-m", "torch.distributed.run",
+    # training.launch is torchrun (same options and elastic agent) with workers forked from a process
+    # that already imported torch: a restarted group is training again seconds sooner.
+    argv = [python, "-m", "training.launch",
             f"--nnodes={t.nodes}", f"--nproc-per-node={t.processes_per_node}",
-            f"--max-restarts={spec.recovery.max_restarts}"]
+            f"--max-restarts={spec.recovery.max_restarts}", "--monitor-interval=0.5"]
     if t.nodes == 1 and rdzv_endpoint is None:
         argv.append("--standalone")  # a free local port; no rendezvous server to run
     else:

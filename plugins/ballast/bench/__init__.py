@@ -12,9 +12,9 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
         return bench_parse(specs=args.specs, repeat=args.repeat)
     if name in ("overhead", "checkpoint", "recovery"):
-        from ballast.bench import training
+        from ballast.bench import train_runtime
 
-        return getattr(training, f"bench_{name}")()
+        return getattr(train_runtime, f"bench_{name}")()
     raise ValueError(f"unknown benchmark {name!r}")
 
 
