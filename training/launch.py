@@ -23,6 +23,7 @@ def worker(*argv: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
@@ -38,7 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
     multiprocessing.set_forkserver_preload(["training.worker_preload"])
-    elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
+    try:
+        elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
+    except ChildFailedError as exc:  # as torchrun: a summary of the failed ranks, exit 1
+        print(exc.format_msg(), file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
