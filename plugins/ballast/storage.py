@@ -7,7 +7,6 @@ objects only appear once their (multipart) upload completes.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from ballast.errors import StorageError
+from training.checkpoint import sha256_file  # noqa: F401  (one implementation, re-exported for the stages)
 
 
 def safe_key(key: str) -> str:
@@ -29,14 +29,6 @@ def safe_key(key: str) -> str:
 
 def safe_join(root: Path, key: str) -> Path:
     return root / safe_key(key)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
