@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from ballast.plan import STAGES, build_plan
+from ballast.plan import STAGES, UPSTREAM, build_plan
 from ballast.spec import load_spec
 from conftest import EXAMPLE_SPEC, ROOT, write_spec
 
@@ -17,7 +17,7 @@ from conftest import EXAMPLE_SPEC, ROOT, write_spec
 def test_plan_orders_stages_and_sets_retries():
     plan = build_plan(load_spec(EXAMPLE_SPEC), spec_file=str(EXAMPLE_SPEC))
     assert [s.name for s in plan.stages] == list(STAGES)
-    assert [s.upstream for s in plan.stages] == [()] + [(a,) for a in STAGES[:-1]]
+    assert {s.name: s.upstream for s in plan.stages} == UPSTREAM
     retries = {s.name: s.retries for s in plan.stages}
     assert retries["validate"] == 0  # bad data is not fixed by retrying
     assert retries["train"] == 2
@@ -44,8 +44,9 @@ def test_dagbag_has_no_import_errors_and_stages_in_order():
     dag = bag.dags["ballast_digits"]
     ups = {t.task_id: t.upstream_task_ids for t in dag.tasks}
     assert ups == {
-        "validate": set(), "convert": {"validate"}, "warm_cache": {"convert"}, "train": {"warm_cache"},
-        "verify_checkpoint": {"train"}, "evaluate": {"verify_checkpoint"}, "publish": {"evaluate"},
+        "validate": set(), "convert": {"validate"}, "warm_cache": {"convert"}, "warm_cache_rest": {"warm_cache"},
+        "train": {"warm_cache"}, "verify_checkpoint": {"train"}, "evaluate": {"verify_checkpoint", "warm_cache_rest"},
+        "publish": {"evaluate"},
     }
     assert dag.tags == {"ballast", "example", "vision"} or set(dag.tags) == {"ballast", "example", "vision"}
     assert dag.owner == "data-team"

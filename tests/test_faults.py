@@ -17,7 +17,7 @@ import pytest
 
 from ballast.launch import run_config
 from ballast.spec import parse_spec
-from ballast.stages import convert, validate, warm_cache
+from ballast.stages import convert, validate, warm_cache, warm_cache_rest
 from conftest import example_data
 from test_stages import make_ctx, run_chain
 from training import checkpoint as ckpt
@@ -27,7 +27,7 @@ from training.failure import EXIT_CODES
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, digits_raw) -> dict:
     ctx = make_ctx(tmp_path_factory.mktemp("faults"), digits_raw)
-    return run_chain(ctx, validate, convert, warm_cache)["warm_cache"]
+    return run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
 
 
 def config(tmp: Path, cache: dict, *, epochs: int = 2, edit=None, **overrides) -> Path:

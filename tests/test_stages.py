@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
 from ballast.spec import parse_spec
-from ballast.stages import convert, validate, warm_cache
+from ballast.packing import split_codes
+from ballast.stages import convert, validate, warm_cache, warm_cache_rest
 from ballast.storage import LocalStorage, safe_key
 from conftest import example_data
 
@@ -130,56 +132,144 @@ def test_converted_shards_are_readable_by_petastorm_and_tfrecord(tmp_path, digit
     ctx = make_ctx(tmp_path, digits_raw)
     out = run_chain(ctx, validate, convert)["convert"]
     root = Path(ctx.storage.local_path(out["prefix"]))
-    from petastorm import make_batch_reader
+    from petastorm import make_batch_reader, make_reader
+    from sklearn.datasets import load_digits
 
+    raw = {img.astype(np.float32).tobytes() for img in load_digits().images}
+    rows = []
+    with make_reader(f"file://{root}/petastorm/test", num_epochs=1, workers_count=1) as reader:
+        for row in reader:  # decoded through the Unischema's NdarrayCodec
+            assert row.image.shape == (8, 8) and row.image.dtype == np.float32
+            assert row.image.tobytes() in raw
+            rows.append(int(row.label))
+    assert len(rows) == 273
     n = 0
     with make_batch_reader(f"file://{root}/petastorm/test", num_epochs=1, workers_count=1) as reader:
         for batch in reader:
             n += len(batch.label)
-            assert batch.image[0].shape == (64,)
     assert n == 273
     from tfrecord.torch.dataset import TFRecordDataset
 
     ds = TFRecordDataset(str(root / "tfrecord/test/part-00000.tfrecord"), None, {"image": "byte", "label": "int"})
     first = next(iter(ds))
-    assert np.frombuffer(first["image"], dtype=np.float32).shape == (64,)
+    assert np.load(io.BytesIO(bytes(first["image"])), allow_pickle=False).shape == (8, 8)
+
+
+def test_png_images_roundtrip_through_petastorm_and_the_training_reader(tmp_path):
+    from petastorm import make_reader
+
+    from training.data import load_split
+
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, size=(600, 64), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=600)
+    raw = write_raw(tmp_path / "raw" / "part-0.parquet", images, labels, image_type=pa.list_(pa.uint8()))
+
+    def edit(d):
+        d["dataset"]["fields"][0] = {"name": "image", "type": "uint8", "shape": [8, 8]}
+        d["validation"]["rules"] = [r for r in d["validation"]["rules"] if r["kind"] in ("in_set", "finite")]
+
+    ctx = make_ctx(tmp_path, raw.parent, edit)
+    assert ctx.spec.dataset.features[0].storage_codec == "png"
+    out = run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)
+    root = Path(ctx.storage.local_path(out["convert"]["prefix"]))
+    head = (root / "petastorm/train/part-00000.parquet").read_bytes()
+    assert b"PNG" in head  # compressed images, not raw arrays
+    known = {img.tobytes(): lab for img, lab in zip(images, labels)}
+    with make_reader(f"file://{root}/petastorm/validation", num_epochs=1, workers_count=1) as reader:
+        for row in reader:
+            assert row.image.dtype == np.uint8 and known[row.image.tobytes()] == row.label
+    test = load_split(Path(out["warm_cache"]["cache_dir"]), "test", fmt="petastorm")
+    assert all(known[x.astype(np.uint8).tobytes()] == y for x, y in zip(test.features, test.labels))
 
 
 def test_split_assignment_is_deterministic():
-    a = convert.assign_splits(10_000, validation=0.1, test=0.15, seed=7)
-    b = convert.assign_splits(10_000, validation=0.1, test=0.15, seed=7)
-    c = convert.assign_splits(10_000, validation=0.1, test=0.15, seed=8)
+    ids = np.arange(10_000)
+    a = split_codes(ids, validation=0.1, test=0.15, seed=7)
+    b = split_codes(ids, validation=0.1, test=0.15, seed=7)
+    c = split_codes(ids, validation=0.1, test=0.15, seed=8)
     assert (a == b).all() and not (a == c).all()
     assert abs((a == 2).mean() - 0.15) < 0.02 and abs((a == 1).mean() - 0.1) < 0.02
+    # A row's split depends on its id alone, not on which batch it arrives in.
+    assert (split_codes(ids[5000:], validation=0.1, test=0.15, seed=7) == a[5000:]).all()
 
 
-def test_warm_cache_stages_verify_and_skip(tmp_path, digits_raw):
+def test_convert_streams_in_bounded_batches_with_the_same_output(tmp_path, digits_raw):
+    big = make_ctx(tmp_path / "a", digits_raw)
+    small = make_ctx(tmp_path / "b", digits_raw, lambda d: d["conversion"].update(read_batch_rows=37))
+    one = run_chain(big, validate, convert)["convert"]
+    two = run_chain(small, validate, convert)["convert"]
+    m1 = json.loads(big.storage.read_bytes(f"{one['prefix']}/manifest.json"))
+    m2 = json.loads(small.storage.read_bytes(f"{two['prefix']}/manifest.json"))
+    assert one["dataset_id"] == two["dataset_id"]
+    assert [(f["path"], f["sha256"]) for f in m1["files"]] == [(f["path"], f["sha256"]) for f in m2["files"]]
+
+
+def test_warm_cache_stages_follow_the_training_read_order(tmp_path, digits_raw):
+    from training.data import EpochLoader
+
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["conversion"].update(shard_rows=100))
     out = run_chain(ctx, validate, convert, warm_cache)["warm_cache"]
-    first, rest = out["stages"]
-    assert first["stage"] == "first_steps" and first["files"] == 4  # ceil(0.25 * 14 train shards)
-    assert rest["files"] == 10 + 2 + 3  # remaining train shards + validation + test
+    (first,) = out["stages"]
+    assert first["stage"] == "first_steps" and out["pending_stages"] == 1
     cache = Path(out["cache_dir"])
-    assert (cache / "manifest.json").exists()
-    again = warm_cache.run(ctx)
-    assert [s["downloaded"] for s in again["stages"]] == [0, 0]
+    manifest = json.loads((cache / "manifest.json").read_text())
+    have = {p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()}
+    fmt_files = [f["path"] for f in manifest["files"] if f["format"] == "petastorm"]
+    train = [f for f in fmt_files if "/train/" in f and f.endswith(".parquet")]
+    assert {f for f in fmt_files if "/validation/" in f} <= have           # per-epoch validation
+    assert not {f for f in fmt_files if "/test/" in f and f.endswith(".parquet")} & have  # test comes later
+    assert 0 < len(set(train) & have) < len(train)
+    # Every rank's first quarter of epoch 0 reads only files already cached.
+    for rank in range(2):
+        loader = EpochLoader(cache, fmt="petastorm", rank=rank, world=2, seed=0, workers=0)
+        need, got = loader.samples_per_rank // 4, 0
+        for b, rows in loader.spans(0):
+            if got >= need:
+                break
+            assert loader.blocks[b].path in have
+            got += len(rows)
+    rest = warm_cache_rest.run(ctx)
+    assert rest["stages"][0]["stage"] == "rest"
+    have = {p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()}
+    assert set(fmt_files) <= have
+    again = run_chain(ctx, warm_cache, warm_cache_rest)
+    assert again["warm_cache"]["stages"][0]["downloaded"] == 0 and again["warm_cache_rest"]["stages"][0]["downloaded"] == 0
     # A damaged cached file is fetched again.
-    victim = next((cache / "petastorm" / "train").iterdir())
+    victim = cache / train[0]
     victim.write_bytes(b"garbage")
-    third = warm_cache.run(ctx)
-    assert sum(s["downloaded"] for s in third["stages"]) == 1
+    third = run_chain(ctx, warm_cache, warm_cache_rest)
+    assert sum(s["downloaded"] for r in third.values() for s in r["stages"]) == 1
+
+
+def test_warm_cache_resumes_a_partial_download(tmp_path, digits_raw):
+    ctx = make_ctx(tmp_path, digits_raw)
+    conv = run_chain(ctx, validate, convert)["convert"]
+    manifest = json.loads(ctx.storage.read_bytes(f"{conv['prefix']}/manifest.json"))
+    entry = next(f for f in manifest["files"] if f["path"].endswith(".parquet"))
+    src = Path(ctx.storage.local_path(f"{conv['prefix']}/{entry['path']}")).read_bytes()
+    dst = tmp_path / "c" / "x.parquet"
+    part = dst.with_name(".x.parquet.part")
+    part.parent.mkdir(parents=True)
+    part.write_bytes(src[:1000])  # an interrupted download
+    got = warm_cache.fetch(ctx.storage, f"{conv['prefix']}/{entry['path']}", dst, entry)
+    assert got == len(src) - 1000 and dst.read_bytes() == src and not part.exists()
+    part.write_bytes(b"X" * 1000)  # a part that is not a prefix of the object: refused, removed
+    with pytest.raises(DataError, match="size or sha256 differs"):
+        warm_cache.fetch(ctx.storage, f"{conv['prefix']}/{entry['path']}", tmp_path / "c" / "x.parquet", entry)
+    assert not part.exists()
 
 
 def test_warm_cache_refuses_damaged_source_and_over_budget(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
-    shard = Path(ctx.storage.local_path(conv["prefix"])) / "petastorm" / "train" / "part-00000.parquet"
+    shard = Path(ctx.storage.local_path(conv["prefix"])) / "petastorm" / "validation" / "part-00000.parquet"
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(DataError, match=r"part-00000\.parquet: size or sha256 differs from the dataset manifest"):
         warm_cache.run(ctx)
-    assert not any(p.name == "part-00000.parquet" for p in Path(ctx.cache_root).rglob("*"))  # nothing half-trusted
+    assert not list(Path(ctx.cache_root).rglob("validation/*part-00000.parquet*"))  # nothing half-trusted
     small = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(max_bytes=1000))
     small.save_result("convert", conv)
     with pytest.raises(StorageError, match=r"cache\.max_bytes: stage 'first_steps' needs \d+ more bytes"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from ballast.launch import adapt_micro_batch, run_config, torchrun_argv
 from ballast.spec import load_spec, parse_spec
-from ballast.stages import convert, validate, warm_cache
+from ballast.stages import convert, validate, warm_cache, warm_cache_rest
 from conftest import EXAMPLE_SPEC, example_data
 from test_stages import make_ctx, run_chain
 
@@ -22,7 +22,7 @@ from training.failure import EXIT_CODES
 def digits_cache(tmp_path_factory, digits_raw) -> dict:
     tmp = tmp_path_factory.mktemp("cache")
     ctx = make_ctx(tmp, digits_raw)
-    return run_chain(ctx, validate, convert, warm_cache)["warm_cache"]
+    return run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
 
 
 def launch(tmp: Path, cache: dict, *, epochs: int, edit=None, out: str = "out") -> tuple[subprocess.CompletedProcess, Path]:

@@ -20,7 +20,7 @@ def main() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from training.config import RunConfig
-    from training.data import epoch_order, load_split
+    from training.data import EpochLoader
     from training.models import build_model
 
     parser = argparse.ArgumentParser()
@@ -31,21 +31,18 @@ def main() -> None:
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, int(cores * (1 - cfg.cpu_reserve_fraction)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     torch.manual_seed(cfg.seed)
-    data = load_split(Path(cfg.data_dir), "train", fmt=cfg.data_format, feature=cfg.feature, label=cfg.label,
-                      input_shape=cfg.input_shape, num_classes=cfg.num_classes)
+    data = EpochLoader(Path(cfg.data_dir), fmt=cfg.data_format, rank=rank, world=world, seed=cfg.seed,
+                       workers=cfg.loader_workers, prefetch=cfg.loader_prefetch)
     model = DDP(build_model(cfg.model, input_shape=cfg.input_shape, num_classes=cfg.num_classes,
                             hidden=cfg.hidden_size, dropout=cfg.dropout))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    x_all, y_all = torch.from_numpy(data.features), torch.from_numpy(data.labels)
     per_step = cfg.micro_batch_size * cfg.grad_accum_steps
     seconds, samples = 0.0, 0
     for epoch in range(cfg.epochs):
-        order = epoch_order(len(data), seed=cfg.seed, epoch=epoch, rank=rank, world=world)
-        steps = len(order) // per_step
+        steps = data.samples_per_rank // per_step
         t0 = time.monotonic()
-        for step in range(steps):
-            idx = torch.from_numpy(order[step * per_step:(step + 1) * per_step])
-            loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+        for x, y in data.batches(epoch, batch=per_step):
+            loss = F.cross_entropy(model(x), y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
             opt.step()

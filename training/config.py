@@ -27,6 +27,9 @@ class RunConfig:
     # data: a cache directory holding manifest.json and the shards it lists
     data_dir: str
     data_format: str = "petastorm"
+    loader_workers: int = 2          # DataLoader worker processes per training process (0: in-process)
+    loader_prefetch: int = 2         # spans each worker decodes ahead
+    data_wait_seconds: float = 0.0   # how long to wait for a shard a staged cache warm-up is still bringing
     # batch and optimisation
     micro_batch_size: int
     grad_accum_steps: int = 1

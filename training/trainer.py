@@ -32,8 +32,8 @@ from typing import Any
 
 from training import checkpoint as ckpt
 from training.config import RunConfig
-from training.data import Split, epoch_order, load_split
-from training.failure import EXIT_CODES, DivergenceError, Preempted, TrainingFailure, write_record
+from training.data import EpochLoader, Split, load_split
+from training.failure import EXIT_CODES, DataError, DivergenceError, Preempted, TrainingFailure, write_record
 from training.faults import Injector, load_faults
 from training.models import build_model
 from training.monitor import Metrics, Nvml, SpikeDetector, Watchdog, grad_stats, memory_bytes
@@ -167,10 +167,15 @@ class Trainer:
         self.nvml = Nvml(self.dist.device.index if self.dist.device.type == "cuda" else None)
         torch.manual_seed(cfg.seed)
 
-        load = dict(fmt=cfg.data_format, feature=cfg.feature, label=cfg.label,
-                    input_shape=cfg.input_shape, num_classes=cfg.num_classes)
-        self.train_data = load_split(Path(cfg.data_dir), "train", **load)
-        self.val_data = load_split(Path(cfg.data_dir), "validation", **load)
+        workers = cfg.loader_workers
+        self.train_data = EpochLoader(Path(cfg.data_dir), fmt=cfg.data_format, rank=self.rank, world=self.dist.world,
+                                      seed=cfg.seed, workers=workers, prefetch=cfg.loader_prefetch,
+                                      wait_seconds=cfg.data_wait_seconds)
+        self.val_data = load_split(Path(cfg.data_dir), "validation", fmt=cfg.data_format,
+                                   num_classes=cfg.num_classes, wait_seconds=cfg.data_wait_seconds)
+        if tuple(self.val_data.features.shape[1:]) != tuple(cfg.input_shape):
+            raise DataError(f"{cfg.data_dir}: feature {cfg.feature!r} has shape {list(self.val_data.features.shape[1:])},"
+                            f" the model expects {cfg.input_shape}")
 
         model = build_model(cfg.model, input_shape=cfg.input_shape, num_classes=cfg.num_classes,
                             hidden=cfg.hidden_size, dropout=cfg.dropout).to(self.dist.device)
@@ -372,34 +377,35 @@ class Trainer:
         import torch
 
         cfg = self.cfg
-        order = epoch_order(len(self.train_data), seed=cfg.seed, epoch=self.epoch,
-                            rank=self.rank, world=self.dist.world)
         per_step = cfg.micro_batch_size * cfg.grad_accum_steps
-        steps = len(order) // per_step
+        steps = self.train_data.samples_per_rank // per_step
         if steps == 0:
-            raise TrainingFailure(f"no full optimizer step fits in an epoch: {len(order)} rows per rank for"
-                                  f" {per_step} samples per step", failure_class="data")
-        x_all = torch.from_numpy(self.train_data.features)
-        y_all = torch.from_numpy(self.train_data.labels)
+            raise TrainingFailure(f"no full optimizer step fits in an epoch: {self.train_data.samples_per_rank} rows"
+                                  f" per rank for {per_step} samples per step", failure_class="data")
         self.model.train()
         t_epoch = time.monotonic()
         trained = 0
         epoch = self.epoch
+        stream, stream_pos = None, -1
         while self.pos < steps:
             if self.epoch != epoch:
                 return False  # rolled back into an earlier epoch: its data order must be rebuilt
+            if stream_pos != self.pos:  # first step, or a rollback moved the position: restart the loader there
+                stream = self.train_data.batches(epoch, batch=per_step, start=self.pos * per_step)
+                stream_pos = self.pos
             if (self.epoch, self.pos) in self.skip:
+                next(stream)
+                stream_pos += 1
                 self.pos += 1
                 continue
             self.faults.fire(self.step + 1)
             t0 = time.monotonic()
-            base = self.pos * per_step
-            batches = []
-            for micro in range(cfg.grad_accum_steps):
-                idx = torch.from_numpy(order[base + micro * cfg.micro_batch_size:
-                                             base + (micro + 1) * cfg.micro_batch_size])
-                batches.append((x_all[idx].to(self.dist.device, non_blocking=True),
-                                y_all[idx].to(self.dist.device, non_blocking=True)))
+            xb, yb = next(stream)
+            stream_pos += 1
+            mb = cfg.micro_batch_size
+            batches = [(xb[i * mb:(i + 1) * mb].to(self.dist.device, non_blocking=True),
+                        yb[i * mb:(i + 1) * mb].to(self.dist.device, non_blocking=True))
+                       for i in range(cfg.grad_accum_steps)]
             t1 = time.monotonic()
             factor = self.faults.loss_factor(self.step + 1)
             local_loss = 0.0
@@ -518,7 +524,7 @@ class Trainer:
         cfg = self.cfg
         self.resume()
         self.heartbeat()
-        self.log(f"world {self.dist.world} ({self.dist.backend}, {cfg.parallelism}), {len(self.train_data)} train"
+        self.log(f"world {self.dist.world} ({self.dist.backend}, {cfg.parallelism}), {self.train_data.samples_per_rank * self.dist.world} train"
                  f" rows, micro-batch {cfg.micro_batch_size} x accum {cfg.grad_accum_steps}, lr {self.lr:g},"
                  f" epochs {cfg.epochs}")
         stopped_early = bool(self.history) and self.bad_epochs >= cfg.patience

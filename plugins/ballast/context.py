@@ -31,7 +31,10 @@ class RunContext:
     @property
     def storage(self) -> Storage:
         if self._storage is None:
-            self._storage = open_storage(self.spec.storage.uri, self.spec.storage.conn_id)
+            st = self.spec.storage
+            self._storage = open_storage(st.uri, st.conn_id, retry_mode=st.retry_mode, max_attempts=st.max_attempts,
+                                         multipart_chunk_mb=st.multipart_chunk_mb,
+                                         transfer_concurrency=st.transfer_concurrency)
         return self._storage
 
     @property

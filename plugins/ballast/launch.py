@@ -22,7 +22,7 @@ def adapt_micro_batch(spec: Spec, current: int, factor: float) -> int:
 
 
 def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: str, output_dir: str,
-               micro_batch_size: int | None = None) -> dict[str, Any]:
+               micro_batch_size: int | None = None, data_wait_seconds: float = 0.0) -> dict[str, Any]:
     """The JSON the trainer reads (training.config.RunConfig)."""
     t = spec.training
     micro = micro_batch_size or t.micro_batch_size
@@ -33,6 +33,9 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         "input_shape": list(feature.shape) or [1], "num_classes": spec.dataset.num_classes,
         "feature": feature.name, "label": spec.dataset.label,
         "data_dir": data_dir, "data_format": data_format,
+        # Each process drives one device (a GPU, or the CPU): the 2-3x rule gives two loader workers per process.
+        "loader_workers": t.loader_workers if t.loader_workers is not None else 2,
+        "loader_prefetch": t.loader_prefetch, "data_wait_seconds": data_wait_seconds,
         "micro_batch_size": micro, "grad_accum_steps": per_process // micro,
         "optimizer": t.optimizer, "learning_rate": t.effective_learning_rate, "weight_decay": t.weight_decay,
         "grad_clip_norm": t.grad_clip_norm, "precision": t.precision, "epochs": t.epochs, "seed": t.seed,

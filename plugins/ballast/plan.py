@@ -13,9 +13,20 @@ from typing import Any
 
 from ballast.spec import Spec, get_path, overridable_field
 
-# The stages every pipeline runs, in order. Each is the module ballast.stages.<name>.
-STAGES: tuple[str, ...] = (
-    "validate", "convert", "warm_cache", "train", "verify_checkpoint", "evaluate", "publish")
+# The stages every pipeline runs, in a valid order, with what each waits for. Each is the module
+# ballast.stages.<name>. Training starts once the first cache stage is in; the rest of the cache
+# warms beside it (the trainer waits for any shard not there yet), and evaluation needs all of it.
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "validate": (),
+    "convert": ("validate",),
+    "warm_cache": ("convert",),
+    "warm_cache_rest": ("warm_cache",),
+    "train": ("warm_cache",),
+    "verify_checkpoint": ("train",),
+    "evaluate": ("verify_checkpoint", "warm_cache_rest"),
+    "publish": ("evaluate",),
+}
+STAGES: tuple[str, ...] = tuple(UPSTREAM)
 
 # Stages whose failures are about the input, not the machine: retrying cannot help.
 NO_RETRY = frozenset({"validate"})
@@ -63,7 +74,8 @@ class Plan:
 _DOCS = {
     "validate": "Check the raw data with Great Expectations before anything trusts it.",
     "convert": "Write Petastorm (Parquet) and TFRecord shards with a manifest of sizes and sha256.",
-    "warm_cache": "Copy shards to the node-local cache in stages, each file verified against the manifest.",
+    "warm_cache": "Copy what training needs first to the node-local cache, each file verified against the manifest.",
+    "warm_cache_rest": "Copy the remaining cache stages while training runs, each file verified.",
     "train": "Run distributed training with torchrun; resume from the latest committed checkpoint.",
     "verify_checkpoint": "Check the final checkpoint's manifest, hashes and tensors before anyone uses it.",
     "evaluate": "Score the best checkpoint on the held-out test split; gate publishing on the threshold.",
@@ -73,10 +85,10 @@ _DOCS = {
 
 def build_plan(spec: Spec, *, spec_file: str) -> Plan:
     stages = []
-    for i, name in enumerate(STAGES):
+    for name in STAGES:
         stages.append(StagePlan(
             name=name,
-            upstream=(STAGES[i - 1],) if i else (),
+            upstream=UPSTREAM[name],
             retries=0 if name in NO_RETRY else spec.recovery.retries,
             doc=_DOCS[name],
         ))

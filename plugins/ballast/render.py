@@ -71,9 +71,9 @@ def render(plan: Plan) -> DAG:
             "retry_delay": dt.timedelta(seconds=plan.retry_delay_seconds),
         },
     ) as dag:
-        previous = None
+        tasks: dict[str, StageOperator] = {}
         for stage in plan.stages:
-            task = StageOperator(
+            tasks[stage.name] = task = StageOperator(
                 task_id=stage.name,
                 stage=stage.name,
                 spec_data=plan.spec_data,
@@ -81,9 +81,8 @@ def render(plan: Plan) -> DAG:
                 retries=stage.retries,
                 doc_md=stage.doc,
             )
-            if previous is not None:
-                previous >> task
-            previous = task
+            for up in stage.upstream:
+                tasks[up] >> task
     return dag
 
 

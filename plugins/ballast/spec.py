@@ -41,6 +41,31 @@ class FieldSpec(_Model):
     """Element type. Array fields are stored flattened, row-major."""
     shape: tuple[PositiveInt, ...] = ()
     """Shape of one value; `[]` for a scalar, e.g. `[8, 8]` for an 8x8 image."""
+    codec: Literal["auto", "png", "jpeg", "ndarray"] = "auto"
+    """How the Petastorm dataset stores an array field: `png` or `jpeg` (compressed images; uint8 of
+    shape [H, W] or [H, W, 3]), `ndarray` (numpy bytes, any type). `auto`: png for uint8 images,
+    ndarray otherwise. Scalars are stored as plain Parquet columns."""
+
+    @model_validator(mode="after")
+    def _check_codec(self) -> FieldSpec:
+        if self.codec in ("png", "jpeg"):
+            image = len(self.shape) == 2 or (len(self.shape) == 3 and self.shape[2] in (1, 3))
+            if self.type != "uint8" or not image:
+                raise ValueError(f"codec: {self.codec} stores uint8 images of shape [H, W] or [H, W, 3]"
+                                 f" (got {self.type} {list(self.shape)}); use codec: ndarray")
+        elif self.codec == "ndarray" and not self.shape:
+            raise ValueError("codec: ndarray is for array fields; a scalar needs no codec")
+        return self
+
+    @property
+    def storage_codec(self) -> str:
+        """The codec actually used: scalar, png, jpeg or ndarray."""
+        if not self.shape:
+            return "scalar"
+        if self.codec != "auto":
+            return self.codec
+        image = len(self.shape) == 2 or (len(self.shape) == 3 and self.shape[2] in (1, 3))
+        return "png" if self.type == "uint8" and image else "ndarray"
 
 
 class SplitSpec(_Model):
@@ -131,6 +156,12 @@ class ValidationSpec(_Model):
     """Names of suite files under data_checks/suites/ (without .yaml) to run as well."""
     schema_checks: bool = True
     """Also check that every schema field exists, is not null and has its declared shape."""
+    on_failure: Literal["fail", "quarantine"] = "fail"
+    """`fail`: any failed expectation fails the run (no retry). `quarantine`: rows failing a row-level
+    expectation go to a quarantine file and the good rows go on, unless more than
+    `max_bad_fraction` of the rows are bad; table-level expectations (row_count) still fail the run."""
+    max_bad_fraction: float = Field(0.01, ge=0.0, lt=1.0)
+    """With `on_failure: quarantine`: the largest fraction of rows that may be set aside."""
 
 
 # --- conversion and cache --------------------------------------------------------------------------
@@ -141,8 +172,15 @@ class ConversionSpec(_Model):
     """Packed formats to write: petastorm (Parquet readable by petastorm) and/or tfrecord."""
     shard_rows: int = Field(1000, ge=1, le=10_000_000)
     """Rows per output shard."""
-    engine: Literal["arrow"] = "arrow"
-    """Conversion engine; `arrow` runs in one process."""
+    engine: Literal["arrow", "spark"] = "arrow"
+    """Conversion engine: `arrow` streams in one process; `spark` runs the same conversion as a Spark
+    job (`local[*]` here, or a cluster through `spark_master`). Both write the same rows and shards."""
+    spark_master: str = "local[*]"
+    """Spark master URL for the spark engine."""
+    row_group_rows: int = Field(256, ge=1, le=1_000_000)
+    """Rows per Parquet row group (the unit a Petastorm reader fetches)."""
+    read_batch_rows: int = Field(4096, ge=1, le=1_000_000)
+    """Rows read from the raw input at a time: bounds the arrow engine's memory."""
 
     @field_validator("formats")
     @classmethod
@@ -173,6 +211,8 @@ class CacheSpec(_Model):
     """Byte budget of the cache; warming refuses to start a stage that would exceed it."""
     concurrency: int = Field(4, ge=1, le=64)
     """Parallel downloads."""
+    wait_seconds: float = Field(3600.0, gt=0)
+    """How long training waits for a shard that a later cache stage has not brought yet."""
 
     @field_validator("stages")
     @classmethod
@@ -274,6 +314,13 @@ class TrainingSpec(_Model):
     """Loss-spike detection and gradient statistics."""
     gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     """Per-process GPU memory cap (seed documents: under 90%)."""
+    loader_workers: int | None = Field(None, ge=0, le=64)
+    """DataLoader worker processes per training process; default twice the compute devices per
+    process (seed documents' 2-3x rule: 2 on one GPU or on CPU). 0 reads in the training process."""
+    loader_prefetch: int = Field(2, ge=1, le=64)
+    """Shard chunks each loader worker decodes ahead."""
+    data_format: Literal["petastorm", "tfrecord"] | None = None
+    """Which converted format training reads; default the first of conversion.formats."""
     cpu_reserve_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     """Share of CPU cores left to data loading (seed documents: 20%)."""
 
@@ -386,6 +433,14 @@ class StorageSpec(_Model):
     """Where datasets, checkpoints and models live: a path (relative to BALLAST_HOME) or s3://bucket/prefix."""
     conn_id: str | None = None
     """Airflow connection with S3 credentials and endpoint; default: the standard AWS environment."""
+    retry_mode: Literal["standard", "adaptive", "legacy"] = "adaptive"
+    """botocore retry mode for S3 calls (adaptive adds client-side rate limiting on throttling)."""
+    max_attempts: int = Field(8, ge=1, le=50)
+    """Attempts per S3 call, the first included."""
+    multipart_chunk_mb: int = Field(16, ge=5, le=5120)
+    """Part size of multipart uploads and downloads (boto3's transfer manager); files above it go in parts."""
+    transfer_concurrency: int = Field(8, ge=1, le=64)
+    """Parallel parts per multipart transfer."""
 
     @field_validator("uri")
     @classmethod
@@ -464,6 +519,11 @@ class Spec(_Model):
     def dag_id(self) -> str:
         return f"ballast_{self.name}"
 
+    @property
+    def train_format(self) -> str:
+        """The converted format training reads."""
+        return self.training.data_format or self.conversion.formats[0]
+
     @model_validator(mode="after")
     def _check_cross(self) -> Spec:
         names = {f.name for f in self.dataset.fields}
@@ -471,6 +531,10 @@ class Spec(_Model):
             if rule.column is not None and rule.column not in names:
                 raise ValueError(f"validation.rules[{i}].column: {rule.column!r} is not a dataset field"
                                  f" ({', '.join(sorted(names))})")
+        fmt = self.training.data_format
+        if fmt is not None and fmt not in self.conversion.formats:
+            raise ValueError(f"training.data_format: {fmt!r} is not among conversion.formats"
+                             f" ({', '.join(self.conversion.formats)}); add it there or pick one of those")
         leaves: dict[str, str] = {}
         for path in self.overridable:
             info = overridable_field(path)  # raises ValueError naming the path

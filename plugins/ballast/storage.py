@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from ballast.errors import StorageError
 from training.checkpoint import sha256_file  # noqa: F401  (one implementation, re-exported for the stages)
@@ -69,6 +69,9 @@ class Storage:
     def download(self, key: str, local: Path) -> None: ...
     def size(self, key: str) -> int: ...
     def list(self, prefix: str) -> Iterator[str]: ...
+    def open_read(self, key: str, start: int = 0) -> BinaryIO:
+        """A stream of the object's bytes from offset `start` (for resuming a partial download)."""
+        raise NotImplementedError
 
     def local_path(self, key: str) -> Path | None:
         """The file's path when storage is a local directory (lets training write in place)."""
@@ -115,6 +118,14 @@ class LocalStorage(Storage):
     def size(self, key: str) -> int:
         return self._path(key).stat().st_size
 
+    def open_read(self, key: str, start: int = 0) -> BinaryIO:
+        try:
+            fh = open(self._path(key), "rb")
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.describe(key)}: no such file") from exc
+        fh.seek(start)
+        return fh
+
     def list(self, prefix: str) -> Iterator[str]:
         base = self._path(prefix) if prefix else self.root
         if not base.exists():
@@ -127,7 +138,11 @@ class LocalStorage(Storage):
 class S3Storage(Storage):
     """S3 or any S3-compatible endpoint, through boto3 (imported only when used)."""
 
-    def __init__(self, uri: str, *, conn_id: str | None = None):
+    def __init__(self, uri: str, *, conn_id: str | None = None, retry_mode: str = "adaptive", max_attempts: int = 8,
+                 multipart_chunk_mb: int = 16, transfer_concurrency: int = 8):
+        self.retry_mode, self.max_attempts = retry_mode, max_attempts
+        self.chunk = multipart_chunk_mb * 1024 * 1024
+        self.transfer_concurrency = transfer_concurrency
         rest = uri[len("s3://"):]
         self.bucket, _, prefix = rest.partition("/")
         self.prefix = prefix.strip("/")
@@ -147,8 +162,16 @@ class S3Storage(Storage):
 
             kwargs = _s3_connection_kwargs(self.conn_id)
             self._client = boto3.client(
-                "s3", config=Config(retries={"mode": "adaptive", "max_attempts": 8}), **kwargs)
+                "s3", config=Config(retries={"mode": self.retry_mode, "max_attempts": self.max_attempts},
+                                    max_pool_connections=max(10, 2 * self.transfer_concurrency)), **kwargs)
         return self._client
+
+    @property
+    def transfer(self):
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(multipart_threshold=self.chunk, multipart_chunksize=self.chunk,
+                              max_concurrency=self.transfer_concurrency)
 
     def _error(self, what: str, key: str, exc: Exception) -> StorageError:
         code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
@@ -187,17 +210,24 @@ class S3Storage(Storage):
         self._call("write", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def upload(self, local: Path, key: str) -> None:
-        self._call("upload", key, self.client.upload_file, str(local), self.bucket, self._key(key))
+        # Multipart above the chunk size; S3 shows the object only once the upload completes.
+        self._call("upload", key, self.client.upload_file, str(local), self.bucket, self._key(key),
+                   Config=self.transfer)
 
     def download(self, key: str, local: Path) -> None:
         local = Path(local)
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(f".{local.name}.part")
         try:
-            self._call("download", key, self.client.download_file, self.bucket, self._key(key), str(tmp))
+            self._call("download", key, self.client.download_file, self.bucket, self._key(key), str(tmp),
+                       Config=self.transfer)
             os.replace(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def open_read(self, key: str, start: int = 0) -> BinaryIO:
+        extra = {"Range": f"bytes={start}-"} if start else {}
+        return self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key), **extra)["Body"]
 
     def size(self, key: str) -> int:
         return int(self._call("head", key, self.client.head_object, Bucket=self.bucket,
@@ -241,7 +271,8 @@ def resolve_local(location: str) -> Path:
     return p if p.is_absolute() else ballast_home() / p
 
 
-def open_storage(uri: str, conn_id: str | None = None) -> Storage:
+def open_storage(uri: str, conn_id: str | None = None, **s3_options) -> Storage:
+    """The storage a spec names; s3_options: retry_mode, max_attempts, multipart_chunk_mb, transfer_concurrency."""
     if uri.startswith("s3://"):
-        return S3Storage(uri, conn_id=conn_id)
+        return S3Storage(uri, conn_id=conn_id, **s3_options)
     return LocalStorage(resolve_local(uri))

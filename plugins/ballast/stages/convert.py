@@ -1,62 +1,143 @@
-"""Stage 2: convert the raw input into packed training formats, with a manifest written last.
+"""Stage 2: convert the raw input into a Petastorm dataset and TFRecord shards, manifest written last.
 
-Outputs, under `datasets/<name>/<dataset_id>/` in the pipeline's storage:
-    petastorm/<split>/part-NNNNN.parquet   Parquet readable by petastorm.make_batch_reader
-    tfrecord/<split>/part-NNNNN.tfrecord   readable by the tfrecord package's PyTorch dataset
-    manifest.json                          every shard's split, format, rows, bytes and sha256
+Two engines write the same files (see ballast.packing for the layout and the encoding):
+- `arrow` streams the raw row groups in one process, `conversion.read_batch_rows` at a time, and
+  cuts a shard whenever a split has `shard_rows` rows buffered: memory is bounded by those two
+  settings, not by the size of the data.
+- `spark` runs the same encoding as a Spark job (ballast.stages.convert_spark).
 
-`dataset_id` is a hash of the input fingerprint and every setting that changes the output, so a re-run
-with the same input and settings finds the manifest and reuses the output. Rows are assigned to
-train/validation/test by a hash of (row number, split seed): deterministic and independent of
-sharding.
+`dataset_id` hashes the input fingerprint, the rows quarantined by validation and every setting that
+changes the output (not the engine: both write the same bytes), so a re-run with the same input and
+settings finds the manifest and reuses the output.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ballast.context import RunContext
-from ballast.rawdata import array_values, raw_files, read_table
+from ballast.errors import DataError
+from ballast.packing import (FORMAT_VERSION, SPLITS, FeatureEncoder, layout, plan_chunks, read_chunk, split_codes,
+                             unischema, write_petastorm_metadata, write_shard)
+from ballast.rawdata import raw_files
 from ballast.storage import ballast_home, sha256_file
 
-SPLITS = ("train", "validation", "test")
-FORMAT_VERSION = 1
 
-
-def dataset_id(ctx: RunContext, input_fingerprint: str) -> str:
+def dataset_id(ctx: RunContext, input_fingerprint: str, quarantined: str = "") -> str:
     s = ctx.spec
-    key = {"v": FORMAT_VERSION, "input": input_fingerprint, "fields": [f.model_dump() for f in s.dataset.fields],
-           "label": s.dataset.label, "split": s.dataset.split.model_dump(), "conversion": s.conversion.model_dump()}
+    c = s.conversion
+    key = {"v": FORMAT_VERSION, "input": input_fingerprint, "quarantined": quarantined,
+           "fields": [f.model_dump() for f in s.dataset.fields], "label": s.dataset.label,
+           "split": s.dataset.split.model_dump(), "formats": list(c.formats), "shard_rows": c.shard_rows,
+           "row_group_rows": c.row_group_rows}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def assign_splits(n: int, *, validation: float, test: float, seed: int):
-    """0 = train, 1 = validation, 2 = test for each row, from a splitmix64 hash of (row, seed)."""
+def load_quarantined(ctx: RunContext) -> Any:
+    """Global row ids validation set aside (sorted int64), or an empty array."""
     import numpy as np
 
-    with np.errstate(over="ignore"):
-        z = np.arange(n, dtype=np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    u = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-    out = np.zeros(n, dtype=np.int8)
-    out[u < test + validation] = 1
-    out[u < test] = 2
+    q = (ctx.result("validate") or {}).get("quarantine")
+    if not q or not q.get("rows"):
+        return np.zeros(0, np.int64)
+    return np.load(io.BytesIO(ctx.storage.read_bytes(q["row_ids_key"])), allow_pickle=False)
+
+
+class Progress:
+    """Rows done of a total, with rate and ETA, logged at most every `every` seconds."""
+
+    def __init__(self, log, what: str, total: int, every: float = 5.0):
+        self.log, self.what, self.total, self.every = log, what, total, every
+        self.done = 0
+        self.t0 = self._last = time.monotonic()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last >= self.every or self.done >= self.total:
+            self._last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            eta = (self.total - self.done) / rate if rate else 0.0
+            self.log.info("%s: %d/%d rows (%.0f%%), %.0f rows/s, ETA %.0fs", self.what, self.done, self.total,
+                          100.0 * self.done / max(self.total, 1), rate, eta)
+
+
+def convert_arrow(chunks, spec, bad_rows, staging: Path, progress: Progress | None = None) -> list[dict]:
+    """Stream the raw chunks into shards; returns the manifest entries of the shards written."""
+    import numpy as np
+    import pyarrow as pa
+
+    ds, conv = spec.dataset, spec.conversion
+    feature = ds.features[0]
+    enc = FeatureEncoder(feature)
+    pending: dict[str, list] = {s: [] for s in SPLITS}
+    counts = {s: 0 for s in SPLITS}
+    shard_no = {s: 0 for s in SPLITS}
+    entries: list[dict] = []
+
+    def cut(split: str, final: bool) -> None:
+        while counts[split] >= conv.shard_rows or (final and counts[split]):
+            feats = pa.concat_arrays([f for f, _ in pending[split]])
+            labels = np.concatenate([y for _, y in pending[split]])
+            n = min(conv.shard_rows, len(labels))
+            entries.extend(write_shard(staging, split, shard_no[split], feats.slice(0, n), labels[:n],
+                                       formats=conv.formats, feature_name=feature.name, label_name=ds.label,
+                                       row_group_rows=conv.row_group_rows))
+            shard_no[split] += 1
+            rest = len(labels) - n
+            pending[split] = [(feats.slice(n), labels[n:])] if rest else []
+            counts[split] = rest
+
+    for chunk in chunks:
+        for first, x, y in read_chunk(chunk, ds, conv.read_batch_rows):
+            ids = np.arange(first, first + len(y), dtype=np.int64)
+            codes = split_codes(ids, validation=ds.split.validation, test=ds.split.test, seed=ds.split.seed)
+            if bad_rows.size:
+                codes[np.isin(ids, bad_rows)] = -1
+            encoded = enc.encode(x)
+            for code, split in enumerate(SPLITS):
+                sel = np.flatnonzero(codes == code)
+                if sel.size:
+                    pending[split].append((encoded.take(pa.array(sel)), y[sel]))
+                    counts[split] += sel.size
+                    cut(split, final=False)
+            if progress:
+                progress.add(len(y))
+    for split in SPLITS:
+        cut(split, final=True)
+    return entries
+
+
+def finish(staging: Path, spec, entries: list[dict]) -> list[dict]:
+    """Petastorm metadata per split, then sha256 of every file; the complete list of manifest entries."""
+    out = list(entries)
+    if "petastorm" in spec.conversion.formats:
+        schema = unischema(spec.dataset)
+        for split in SPLITS:
+            parts = [e for e in entries if e["format"] == "petastorm" and e["split"] == split]
+            if parts:
+                path = write_petastorm_metadata(staging / "petastorm" / split, schema, parts)
+                out.append({"path": f"petastorm/{split}/_common_metadata", "split": split, "format": "petastorm",
+                            "rows": 0, "kind": "metadata", "bytes": path.stat().st_size})
+    for e in out:
+        e["sha256"] = sha256_file(staging / e["path"])
     return out
 
 
 def run(ctx: RunContext) -> dict:
-    import numpy as np
-
     spec = ctx.spec
-    fingerprint = ctx.result("validate")["input_fingerprint"]
-    did = dataset_id(ctx, fingerprint)
+    validated = ctx.result("validate")
+    fingerprint = validated["input_fingerprint"]
+    bad_rows = load_quarantined(ctx)
+    quarantined = hashlib.sha256(bad_rows.tobytes()).hexdigest() if bad_rows.size else ""
+    did = dataset_id(ctx, fingerprint, quarantined)
     prefix = f"datasets/{spec.name}/{did}"
     if ctx.storage.exists(f"{prefix}/manifest.json"):
         manifest = json.loads(ctx.storage.read_bytes(f"{prefix}/manifest.json"))
@@ -64,78 +145,42 @@ def run(ctx: RunContext) -> dict:
         return {"dataset_id": did, "prefix": prefix, "reused": True, "rows": manifest["rows"]}
 
     t0 = time.monotonic()
-    table = read_table(raw_files(ctx), spec.dataset)
-    feature = spec.dataset.features[0]
-    label = spec.dataset.label
-    values, lengths = array_values(table, feature) if feature.shape else (
-        table.column(feature.name).to_numpy().astype(np.float64), np.ones(table.num_rows, np.int64))
-    width = int(np.prod(feature.shape)) if feature.shape else 1
-    x = values.astype(np.float32).reshape(table.num_rows, width)
-    y = table.column(label).to_numpy().astype(np.int64)
-    split_of = assign_splits(table.num_rows, validation=spec.dataset.split.validation,
-                             test=spec.dataset.split.test, seed=spec.dataset.split.seed)
-
+    chunks = plan_chunks(raw_files(ctx))
+    total = sum(c.rows for c in chunks)
     staging = Path(tempfile.mkdtemp(prefix="convert-", dir=_staging_root()))
-    files = []
     try:
-        for code, split in enumerate(SPLITS):
-            rows = np.flatnonzero(split_of == code)
-            for shard, start in enumerate(range(0, len(rows), spec.conversion.shard_rows)):
-                idx = rows[start:start + spec.conversion.shard_rows]
-                for fmt in spec.conversion.formats:
-                    rel = f"{fmt}/{split}/part-{shard:05d}.{'parquet' if fmt == 'petastorm' else 'tfrecord'}"
-                    path = staging / rel
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    (_write_parquet if fmt == "petastorm" else _write_tfrecord)(
-                        path, x[idx], y[idx], feature.name, label)
-                    files.append({"path": rel, "split": split, "format": fmt, "rows": int(len(idx)),
-                                  "bytes": path.stat().st_size, "sha256": sha256_file(path)})
-        manifest = {
-            "dataset_id": did, "name": spec.name, "input_fingerprint": fingerprint, "format_version": FORMAT_VERSION,
-            "feature": {"name": feature.name, "type": "float32", "shape": list(feature.shape) or [1]},
-            "label": {"name": label, "num_classes": spec.dataset.num_classes},
-            "rows": {s: int((split_of == c).sum()) for c, s in enumerate(SPLITS)},
-            "files": files, "created": time.time(),
-        }
-        total = len(files)
-        for i, f in enumerate(files, 1):
-            ctx.storage.upload(staging / f["path"], f"{prefix}/{f['path']}")
-            if i % 50 == 0 or i == total:
-                ctx.log.info("uploaded %d/%d shards", i, total)
+        ctx.log.info("converting %d rows (%d quarantined) with the %s engine into %s", total, bad_rows.size,
+                     spec.conversion.engine, ", ".join(spec.conversion.formats))
+        if spec.conversion.engine == "spark":
+            from ballast.stages.convert_spark import convert_spark
+
+            entries = convert_spark(chunks, spec, bad_rows, staging, log=ctx.log)
+        else:
+            entries = convert_arrow(chunks, spec, bad_rows, staging, Progress(ctx.log, "convert", total))
+        entries = finish(staging, spec, entries)
+        rows = {s: sum(e["rows"] for e in entries if e["split"] == s and e["format"] == spec.conversion.formats[0])
+                for s in SPLITS}
+        if not rows["train"]:
+            raise DataError(f"dataset.location {spec.dataset.location}: no rows left for training after the split")
+        manifest = {"dataset_id": did, "name": spec.name, "input_fingerprint": fingerprint,
+                    "format_version": FORMAT_VERSION, **layout(spec.dataset), "rows": rows,
+                    "quarantined_rows": int(bad_rows.size), "files": entries, "created": time.time()}
+        for i, e in enumerate(entries, 1):
+            ctx.storage.upload(staging / e["path"], f"{prefix}/{e['path']}")
+            if i % 50 == 0 or i == len(entries):
+                ctx.log.info("uploaded %d/%d files", i, len(entries))
         # The manifest goes last: a dataset without one is incomplete and never read.
         ctx.storage.write_bytes(f"{prefix}/manifest.json", json.dumps(manifest, indent=2).encode())
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     seconds = time.monotonic() - t0
-    ctx.log.info("converted %d rows into %d shards in %.2fs (%s)", table.num_rows, len(files), seconds,
-                 ", ".join(f"{s}={n}" for s, n in manifest["rows"].items()))
-    return {"dataset_id": did, "prefix": prefix, "reused": False, "rows": manifest["rows"],
-            "shards": len(files), "seconds": round(seconds, 3)}
+    ctx.log.info("converted %d rows into %d files in %.2fs (%s)", total, len(entries), seconds,
+                 ", ".join(f"{s}={n}" for s, n in rows.items()))
+    return {"dataset_id": did, "prefix": prefix, "reused": False, "rows": rows, "files": len(entries),
+            "engine": spec.conversion.engine, "seconds": round(seconds, 3)}
 
 
 def _staging_root() -> Path:
     root = ballast_home() / "staging"
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-
-def _write_parquet(path: Path, x, y, feature: str, label: str) -> None:
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    offsets = np.arange(0, x.size + 1, max(x.shape[1], 1), dtype=np.int32)
-    col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ascontiguousarray(x).reshape(-1)))
-    pq.write_table(pa.table({feature: col, label: pa.array(y)}), path)
-
-
-def _write_tfrecord(path: Path, x, y, feature: str, label: str) -> None:
-    from tfrecord.writer import TFRecordWriter
-
-    writer = TFRecordWriter(str(path))
-    try:
-        for row, lab in zip(x, y):
-            writer.write({feature: (row.astype("<f4").tobytes(), "byte"), label: (int(lab), "int")})
-    finally:
-        writer.close()

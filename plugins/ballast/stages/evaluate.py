@@ -28,8 +28,7 @@ def run(ctx: RunContext) -> dict:
     feature = spec.dataset.features[0]
     shape = list(feature.shape) or [1]
     try:
-        test = load_split(Path(cache["cache_dir"]), "test", fmt=cache["format"], feature=feature.name,
-                          label=spec.dataset.label, input_shape=shape, num_classes=spec.dataset.num_classes)
+        test = load_split(Path(cache["cache_dir"]), "test", fmt=cache["format"], num_classes=spec.dataset.num_classes)
     except TrainingDataError as exc:
         raise DataError(str(exc)) from exc
     model = build_model(spec.training.model, input_shape=shape, num_classes=spec.dataset.num_classes,

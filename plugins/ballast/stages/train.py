@@ -48,7 +48,8 @@ def run(ctx: RunContext) -> dict:
     state_file.write_text(json.dumps({"micro_batch_size": micro}))
 
     cfg = run_config(spec, data_dir=cache["cache_dir"], data_format=cache["format"], checkpoint_dir=str(ckpt_dir),
-                     output_dir=str(out_dir), micro_batch_size=micro)
+                     output_dir=str(out_dir), micro_batch_size=micro,
+                     data_wait_seconds=spec.cache.wait_seconds if cache.get("pending_stages") else 0.0)
     config_path = out_dir / "run.json"
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")

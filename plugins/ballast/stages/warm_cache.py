@@ -1,70 +1,137 @@
-"""Stage 3: copy the converted shards into the node-local cache, in stages, each file verified.
+"""Stage 3: copy the converted dataset into the node-local cache, in stages, every file verified.
 
-Stage k brings the training shards up to its cumulative `fraction` (stage 1 holds what the first
-steps of the first epoch read); validation and test shards come with the last stage. A file counts as
-cached only after its size and sha256 match the manifest; it is written under a temporary name and
-renamed. A re-run skips files already verified. Object keys that would leave the cache directory are
-refused, and a stage that would exceed the byte budget or the free disk is refused before it starts.
+Stage k of `cache.stages` brings in the training files that hold the first `fraction` of every
+rank's samples of epoch 0, in the order the trainer reads them (the same plan, training.data), so
+stage 1 is exactly what the first steps need. This task warms stage 1 with the validation set and
+the dataset's metadata and writes the cache's manifest; training starts then, while the next task
+(warm_cache_rest) brings the later stages and the test set; the trainer waits for a shard that is
+not in yet.
+
+A file counts as cached only once its size and sha256 match the manifest: it is streamed into
+`.<name>.part`, hashed while written, and renamed only when it matches. A re-run skips verified
+files and resumes a partial download from where it stopped. Object keys that would leave the cache
+directory are refused, and a stage that would exceed the byte budget or the free disk is refused
+before it starts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
-from ballast.storage import atomic_write_bytes, safe_join, sha256_file
+from ballast.storage import Storage, atomic_write_bytes, safe_join, sha256_file
+
+_BLOCK = 1 << 20
 
 
-def plan_stages(files: list[dict], fmt: str, fractions: list[float]) -> list[list[dict]]:
-    """Split the manifest's files of one format into cumulative cache stages."""
-    train = [f for f in files if f["format"] == fmt and f["split"] == "train"]
-    rest = [f for f in files if f["format"] == fmt and f["split"] != "train"]
-    out, done = [], 0
+def plan_stages(manifest: dict, fmt: str, fractions: list[float], *, world: int, seed: int) -> list[list[dict]]:
+    """The manifest's files of one format, cut into cumulative cache stages in training's read order."""
+    from training.data import blocks_of, rank_spans
+
+    files = [f for f in manifest["files"] if f["format"] == fmt]
+    by_path = {f["path"]: f for f in files}
+    blocks = blocks_of(manifest, "train", fmt)
+    spans = [rank_spans(blocks, seed=seed, epoch=0, rank=r, world=world) for r in range(world)]
+    per_rank = sum(b.rows for b in blocks) // world
+    first = [f for f in files if f.get("kind") == "metadata" or f["split"] == "validation"]
+    out, taken = [], {f["path"] for f in first}
     for i, frac in enumerate(fractions):
-        upto = len(train) if i == len(fractions) - 1 else max(1, math.ceil(frac * len(train)))
-        stage = train[done:upto]
-        done = max(done, upto)
+        stage = list(first) if i == 0 else []
+        need = math.ceil(frac * per_rank)
+        for rank_spans_ in spans:
+            got = 0
+            for b, rows in rank_spans_:
+                if got >= need:
+                    break
+                path = blocks[b].path
+                if path not in taken:
+                    taken.add(path)
+                    stage.append(by_path[path])
+                got += len(rows)
         if i == len(fractions) - 1:
-            stage = stage + rest
+            stage += [f for f in files if f["path"] not in taken]
+            taken.update(f["path"] for f in files)
         out.append(stage)
     return out
 
 
-def _verified(path: Path, entry: dict) -> bool:
+def verified(path: Path, entry: dict) -> bool:
     if not path.is_file() or path.stat().st_size != entry["bytes"]:
         return False
     return sha256_file(path) == entry["sha256"]
 
 
+def fetch(storage: Storage, key: str, dst: Path, entry: dict) -> int:
+    """Stream one object into dst via a resumable .part file; renamed only once size and sha256 match.
 
-def run(ctx: RunContext) -> dict:
+    Returns the bytes transferred (less than the size when a partial download was resumed).
+    """
+    part = dst.with_name(f".{dst.name}.part")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    start = part.stat().st_size if part.exists() else 0
+    if start > entry["bytes"]:
+        part.unlink()
+        start = 0
+    if start:
+        with open(part, "rb") as fh:  # resume: the hash covers what is already there
+            while block := fh.read(_BLOCK):
+                digest.update(block)
+    got = 0
+    if start < entry["bytes"]:
+        stream = storage.open_read(key, start)
+        try:
+            with open(part, "ab") as out:
+                while block := stream.read(_BLOCK):
+                    out.write(block)
+                    digest.update(block)
+                    got += len(block)
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            stream.close()
+    if part.stat().st_size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+        part.unlink(missing_ok=True)
+        raise DataError(f"{storage.describe(key)}: size or sha256 differs from the dataset manifest; the converted"
+                        f" dataset is damaged, re-run convert (delete the dataset's manifest.json first)")
+    os.replace(part, dst)
+    return got
+
+
+def warm(ctx: RunContext, stage_indices: list[int]) -> dict:
     spec = ctx.spec
     conv = ctx.result("convert")
     prefix = conv["prefix"]
     manifest = json.loads(ctx.storage.read_bytes(f"{prefix}/manifest.json"))
-    fmt = "petastorm" if "petastorm" in spec.conversion.formats else spec.conversion.formats[0]
+    fmt = spec.train_format
     cache_dir = ctx.cache_root / spec.name / conv["dataset_id"]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    stages = plan_stages(manifest["files"], fmt, [s.fraction for s in spec.cache.stages])
+    for f in manifest["files"]:
+        safe_join(cache_dir, f["path"])  # a manifest with one key escaping the cache is refused whole
+    stages = plan_stages(manifest, fmt, [s.fraction for s in spec.cache.stages],
+                         world=spec.training.world_size, seed=spec.training.seed)
     budget = spec.cache.max_bytes
     summary = []
     t_all = time.monotonic()
-    for stage_spec, entries in zip(spec.cache.stages, stages):
+    for i in stage_indices:
+        stage_spec, entries = spec.cache.stages[i], stages[i]
         t0 = time.monotonic()
         todo = []
         for e in entries:
             dst = safe_join(cache_dir, e["path"])  # refuses '..' and absolute keys from the manifest
-            if not _verified(dst, e):
+            if not verified(dst, e):
                 todo.append((e, dst))
         need = sum(e["bytes"] for e, _ in todo)
-        used = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+        used = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file() and not p.name.endswith(".part"))
         if budget is not None and used + need > budget:
             raise StorageError(f"cache.max_bytes: stage {stage_spec.name!r} needs {need} more bytes in {cache_dir}"
                                f" ({used} used, budget {budget}); raise cache.max_bytes or free the cache")
@@ -72,33 +139,39 @@ def run(ctx: RunContext) -> dict:
         if need > free:
             raise StorageError(f"cache.directory: {cache_dir} has {free} bytes free, stage {stage_spec.name!r}"
                                f" needs {need}; free disk or point cache.directory elsewhere")
-        done_bytes = 0
+        lock = threading.Lock()
+        done = {"files": 0, "bytes": 0}
+        last_log = [0.0]
 
-        def fetch(entry: dict, dst: Path) -> int:
-            ctx.storage.download(f"{prefix}/{entry['path']}", dst)
-            if not _verified(dst, entry):
-                dst.unlink(missing_ok=True)
-                raise DataError(f"{ctx.storage.describe(prefix + '/' + entry['path'])}: size or sha256 differs from"
-                                f" the dataset manifest; the converted dataset is damaged, re-run convert")
-            return entry["bytes"]
+        def one(entry: dict, dst: Path) -> None:
+            fetch(ctx.storage, f"{prefix}/{entry['path']}", dst, entry)
+            with lock:
+                done["files"] += 1
+                done["bytes"] += entry["bytes"]
+                now = time.monotonic()
+                if now - last_log[0] >= 2.0 or done["files"] == len(todo):
+                    last_log[0] = now
+                    rate = done["bytes"] / max(now - t0, 1e-6)
+                    eta = (need - done["bytes"]) / rate if rate else 0.0
+                    ctx.log.info("cache stage %s: %d/%d files, %.1f/%.1f MB, %.1f MB/s, ETA %.0fs", stage_spec.name,
+                                 done["files"], len(todo), done["bytes"] / 1e6, need / 1e6, rate / 1e6, eta)
 
         with ThreadPoolExecutor(max_workers=spec.cache.concurrency) as pool:
-            futures = [pool.submit(fetch, e, d) for e, d in todo]
-            for i, fut in enumerate(as_completed(futures), 1):
-                done_bytes += fut.result()
-                elapsed = max(time.monotonic() - t0, 1e-6)
-                rate = done_bytes / elapsed
-                if i % 20 == 0 or i == len(todo):
-                    eta = (need - done_bytes) / rate if rate else 0.0
-                    ctx.log.info("cache stage %s: %d/%d files, %.1f/%.1f MB, %.1f MB/s, ETA %.0fs",
-                                 stage_spec.name, i, len(todo), done_bytes / 1e6, need / 1e6, rate / 1e6, eta)
+            for fut in as_completed([pool.submit(one, e, d) for e, d in todo]):
+                fut.result()
         seconds = time.monotonic() - t0
         ctx.log.info("cache stage %s ready: %d files (%d already cached) in %.2fs", stage_spec.name, len(entries),
                      len(entries) - len(todo), seconds)
         summary.append({"stage": stage_spec.name, "files": len(entries), "downloaded": len(todo),
                         "bytes": need, "seconds": round(seconds, 3)})
-    # The trainer reads the manifest from the cache; it goes last, like in storage.
-    atomic_write_bytes(cache_dir / "manifest.json", json.dumps(manifest, indent=2).encode())
+        if i == 0:
+            # The trainer reads the manifest from the cache; it goes in once stage 1 is verified.
+            atomic_write_bytes(cache_dir / "manifest.json", json.dumps(manifest, indent=2).encode())
     os.utime(cache_dir)
     return {"cache_dir": str(cache_dir), "format": fmt, "stages": summary,
+            "pending_stages": max(0, len(spec.cache.stages) - 1 - max(stage_indices, default=0)),
             "seconds": round(time.monotonic() - t_all, 3)}
+
+
+def run(ctx: RunContext) -> dict:
+    return warm(ctx, [0])

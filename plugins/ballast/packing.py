@@ -1,0 +1,250 @@
+"""The packed dataset both conversion engines write, and how rows are encoded into it.
+
+Layout under a dataset prefix:
+    petastorm/<split>/part-NNNNN.parquet   a Petastorm dataset per split: a Unischema with codecs
+    petastorm/<split>/_common_metadata     the pickled Unischema and row groups per file (what
+                                           petastorm's materialize_dataset writes)
+    tfrecord/<split>/part-NNNNN.tfrecord   tf.train.Example records: the same encoded feature bytes
+                                           and the label, readable by the tfrecord package
+    manifest.json                          written last: every file with rows, bytes and sha256
+
+The feature column holds exactly what the field's Petastorm codec writes (`NdarrayCodec`: numpy's
+.npy bytes; `CompressedImageCodec`: PNG or JPEG). Rows go to splits by a hash of their global row
+number (over the raw files in sorted order) and to shards by their position within the split, so
+the output depends only on the input and the settings, never on the engine or its parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from ballast.errors import DataError
+from ballast.spec import DatasetSpec, FieldSpec
+
+SPLITS = ("train", "validation", "test")
+FORMAT_VERSION = 2
+_NUMPY = {"float32": "float32", "float64": "float64", "int32": "int32", "int64": "int64", "uint8": "uint8",
+          "bool": "bool_", "string": "str_"}
+
+
+def split_codes(row_ids: Any, *, validation: float, test: float, seed: int) -> Any:
+    """0 = train, 1 = validation, 2 = test for each global row id, from a splitmix64 hash of (row, seed)."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        z = np.asarray(row_ids, dtype=np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    u = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    out = np.zeros(len(u), dtype=np.int8)
+    out[u < test + validation] = 1
+    out[u < test] = 2
+    return out
+
+
+def layout(dataset: DatasetSpec) -> dict:
+    """What the manifest records of the feature and label: enough for a reader to decode them."""
+    f = dataset.features[0]
+    return {"feature": {"name": f.name, "dtype": f.type, "shape": list(f.shape), "codec": f.storage_codec},
+            "label": {"name": dataset.label, "num_classes": dataset.num_classes}}
+
+
+def unischema(dataset: DatasetSpec) -> Any:
+    """The Petastorm Unischema of the packed dataset: feature with its codec, label as a scalar."""
+    import numpy as np
+    from petastorm.codecs import CompressedImageCodec, NdarrayCodec, ScalarCodec
+    from petastorm.unischema import Unischema, UnischemaField
+    from pyspark.sql.types import LongType
+
+    f = dataset.features[0]
+    codec = f.storage_codec
+    if codec in ("png", "jpeg"):
+        field = UnischemaField(f.name, np.uint8, tuple(f.shape), CompressedImageCodec(codec), False)
+    elif codec == "ndarray":
+        field = UnischemaField(f.name, getattr(np, _NUMPY[f.type]), tuple(f.shape), NdarrayCodec(), False)
+    else:
+        raise DataError(f"dataset.fields: feature {f.name!r} is a scalar; the packed format needs an array feature")
+    label = UnischemaField(dataset.label, np.int64, (), ScalarCodec(LongType()), False)
+    return Unischema(f"{dataset.label}_dataset".replace("-", "_"), [field, label])
+
+
+# --- reading the raw input in bounded batches ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One unit of raw input: a row group of a raw file, and the global id of its first row."""
+    path: str
+    row_group: int
+    first_row: int
+    rows: int
+
+
+def plan_chunks(files: list[Path]) -> list[Chunk]:
+    import pyarrow.parquet as pq
+
+    chunks, start = [], 0
+    for p in files:
+        try:
+            meta = pq.ParquetFile(p).metadata
+        except Exception as exc:
+            raise DataError(f"{p}: not a readable Parquet file ({exc})") from exc
+        for g in range(meta.num_row_groups):
+            n = meta.row_group(g).num_rows
+            chunks.append(Chunk(str(p), g, start, n))
+            start += n
+    return chunks
+
+
+def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int) -> Iterator[tuple[int, Any, Any]]:
+    """(first global row, features (n, *shape), labels (n,)) for each batch of a chunk."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    f = dataset.features[0]
+    size = int(np.prod(f.shape))
+    dtype = np.dtype(_NUMPY[f.type])
+    try:
+        pf = pq.ParquetFile(chunk.path)
+        batches = pf.iter_batches(batch_size=batch_rows, row_groups=[chunk.row_group],
+                                  columns=[f.name, dataset.label])
+        first = chunk.first_row
+        for batch in batches:
+            col = batch.column(f.name)
+            if pa.types.is_fixed_size_list(col.type):
+                col = col.cast(pa.list_(col.type.value_type))
+            lengths = pc.fill_null(pc.list_value_length(col), -1).to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(lengths != size)
+            if bad.size:
+                raise DataError(f"{chunk.path}: row {first + int(bad[0])}: {f.name!r} holds {int(lengths[bad[0]])}"
+                                f" values, the spec's shape {list(f.shape)} needs {size}; validate the data first")
+            values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+            if np.issubdtype(dtype, np.integer) and values.size:
+                info = np.iinfo(dtype)
+                lo, hi = values.min(), values.max()
+                if lo < info.min or hi > info.max:
+                    raise DataError(f"{chunk.path}: {f.name!r} has values in [{lo}, {hi}], outside {f.type}")
+            x = values.astype(dtype, copy=False).reshape(batch.num_rows, *f.shape)
+            labels = batch.column(dataset.label)
+            if labels.null_count:
+                raise DataError(f"{chunk.path}: label {dataset.label!r} has nulls; validate the data first")
+            y = labels.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+            yield first, x, y
+            first += batch.num_rows
+    except DataError:
+        raise
+    except Exception as exc:  # truncated files surface here, mid-read
+        raise DataError(f"{chunk.path}: cannot read row group {chunk.row_group} ({exc})") from exc
+
+
+# --- encoding ------------------------------------------------------------------------------------------
+
+
+class FeatureEncoder:
+    """Encodes feature arrays exactly as the field's Petastorm codec would, vectorised where possible."""
+
+    def __init__(self, field: FieldSpec):
+        import numpy as np
+
+        self.field = field
+        self.codec = field.storage_codec
+        self.dtype = np.dtype(_NUMPY[field.type])
+        if self.codec == "ndarray":
+            import io
+
+            buf = io.BytesIO()
+            np.save(buf, np.zeros(field.shape, self.dtype))
+            raw = buf.getvalue()
+            self.header = raw[:len(raw) - self.dtype.itemsize * int(np.prod(field.shape))]
+
+    def encode(self, x: Any) -> Any:
+        """A pyarrow binary array, one encoded value per row of x (n, *shape)."""
+        import numpy as np
+        import pyarrow as pa
+
+        n = len(x)
+        if self.codec == "ndarray":
+            body = np.ascontiguousarray(x, dtype=self.dtype).reshape(n, -1).view(np.uint8)
+            h = len(self.header)
+            out = np.empty((n, h + body.shape[1]), dtype=np.uint8)
+            out[:, :h] = np.frombuffer(self.header, dtype=np.uint8)
+            out[:, h:] = body
+            offsets = np.arange(0, (n + 1) * out.shape[1], out.shape[1], dtype=np.int64)
+            return pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(offsets),
+                                                                            pa.py_buffer(out)]).cast(pa.binary())
+        import cv2
+
+        ext = "." + self.codec
+        params = [int(cv2.IMWRITE_JPEG_QUALITY), 95] if self.codec == "jpeg" else []
+        values = []
+        for img in x:
+            if img.ndim == 3 and img.shape[2] == 3:
+                img = cv2.cvtColor(img, cv2.COLOR_RGB2BGR)  # the codec's convention: RGB in, BGR on disk
+            ok, data = cv2.imencode(ext, img, params)
+            if not ok:
+                raise DataError(f"{self.field.name}: OpenCV could not encode an image as {self.codec}")
+            values.append(data.tobytes())
+        return pa.array(values, type=pa.binary())
+
+
+# --- writing shards -------------------------------------------------------------------------------------
+
+
+def write_shard(staging: Path, split: str, shard: int, feature: Any, labels: Any, *, formats: tuple[str, ...],
+                feature_name: str, label_name: str, row_group_rows: int) -> list[dict]:
+    """Write one shard in every format; returns manifest entries (sha256 filled in later)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    entries = []
+    n = len(labels)
+    for fmt in formats:
+        rel = f"{fmt}/{split}/part-{shard:05d}.{'parquet' if fmt == 'petastorm' else 'tfrecord'}"
+        path = staging / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entry = {"path": rel, "split": split, "format": fmt, "rows": n}
+        if fmt == "petastorm":
+            table = pa.table({feature_name: feature, label_name: pa.array(labels, type=pa.int64())})
+            pq.write_table(table, path, row_group_size=row_group_rows)
+            meta = pq.ParquetFile(path).metadata
+            entry["row_groups"] = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        else:
+            _write_tfrecord(path, feature, labels, feature_name, label_name)
+        entry["bytes"] = path.stat().st_size
+        entries.append(entry)
+    return entries
+
+
+def _write_tfrecord(path: Path, feature: Any, labels: Any, feature_name: str, label_name: str) -> None:
+    from tfrecord.writer import TFRecordWriter
+
+    writer = TFRecordWriter(str(path))
+    try:
+        for value, lab in zip(feature.to_pylist(), labels.tolist()):
+            writer.write({feature_name: (value, "byte"), label_name: (int(lab), "int")})
+    finally:
+        writer.close()
+
+
+def write_petastorm_metadata(split_dir: Path, schema: Any, entries: list[dict]) -> Path:
+    """`_common_metadata` as petastorm's materialize_dataset writes it: Unischema and row groups per file."""
+    import pickle
+
+    import pyarrow.parquet as pq
+    from petastorm.etl.dataset_metadata import ROW_GROUPS_PER_FILE_KEY, UNISCHEMA_KEY
+
+    parquet = [e for e in entries if e["path"].endswith(".parquet")]
+    arrow_schema = pq.read_schema(split_dir / Path(parquet[0]["path"]).name)
+    groups = {Path(e["path"]).name: len(e["row_groups"]) for e in parquet}
+    meta = dict(arrow_schema.metadata or {})
+    meta[UNISCHEMA_KEY] = pickle.dumps(schema)
+    meta[ROW_GROUPS_PER_FILE_KEY] = json.dumps(groups).encode()
+    path = split_dir / "_common_metadata"
+    pq.write_metadata(arrow_schema.with_metadata(meta), path)
+    return path
