@@ -23,6 +23,7 @@ class Failure:
     detail: str
     unexpected_count: int | None = None
     examples: list[Any] = field(default_factory=list)
+    rows: list[int] | None = None  # indices of the failing rows (row-level expectations, complete results)
 
     def line(self) -> str:
         where = f" on {self.column}" if self.column else ""
@@ -37,6 +38,7 @@ class Report:
     evaluated: int
     failures: list[Failure]
     rows: int
+    docs_dir: Path | None = None  # GX's Data Docs site for this validation (HTML)
 
     def summary(self) -> str:
         head = f"{len(self.failures)} of {self.evaluated} expectations failed on {self.rows} rows"
@@ -82,8 +84,13 @@ def expectations_for(rules: Iterable[dict], *, array_columns: dict[str, int]) ->
     return out
 
 
-def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: str = "ballast") -> Report:
-    """Validate a pandas DataFrame (with derived array columns) against rules; never raises on bad data."""
+def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: str = "ballast",
+        row_indices: bool = False) -> Report:
+    """Validate a pandas DataFrame (with derived array columns) against rules; never raises on bad data.
+
+    Runs a GX Checkpoint whose UpdateDataDocsAction renders the Data Docs site (Report.docs_dir).
+    With row_indices, failures of row-level expectations carry every failing row's index.
+    """
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")  # no network here; no phoning home anyway
     os.environ.setdefault("TQDM_DISABLE", "1")              # progress bars clutter task logs
     import great_expectations as gx
@@ -95,12 +102,18 @@ def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: s
     context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
     source = context.data_sources.add_pandas(name=f"{name}_source")
     asset = source.add_dataframe_asset(name=f"{name}_frame")
-    batch = asset.add_batch_definition_whole_dataframe(f"{name}_batch").get_batch(
-        batch_parameters={"dataframe": frame})
-    suite = gx.ExpectationSuite(name=f"{name}_suite")
+    batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_batch")
+    suite = context.suites.add(gx.ExpectationSuite(name=f"{name}_suite"))
     for exp in expectations_for(rules, array_columns=array_columns):
         suite.add_expectation(exp)
-    result = batch.validate(suite, result_format={"result_format": "SUMMARY", "partial_unexpected_count": 5})
+    definition = context.validation_definitions.add(
+        gx.ValidationDefinition(data=batch_def, suite=suite, name=f"{name}_validation"))
+    result_format = {"result_format": "COMPLETE" if row_indices else "SUMMARY", "partial_unexpected_count": 5}
+    checkpoint = context.checkpoints.add(gx.Checkpoint(
+        name=f"{name}_checkpoint", validation_definitions=[definition],
+        actions=[gx.checkpoint.UpdateDataDocsAction(name="data_docs")], result_format=result_format))
+    run_result = checkpoint.run(batch_parameters={"dataframe": frame})
+    (result,) = run_result.run_results.values()
     failures = []
     for res in result.results:
         if res.success:
@@ -114,10 +127,18 @@ def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: s
             detail = f"observed {info['observed_value']}, expected {_bounds(kwargs)}"
         else:
             detail = f"expected {_bounds(kwargs)}"
+        rows = info.get("unexpected_index_list")
         failures.append(Failure(expectation=cfg.type, column=kwargs.get("column"), detail=detail,
                                 unexpected_count=info.get("unexpected_count"),
-                                examples=list(info.get("partial_unexpected_list") or [])))
-    return Report(success=bool(result.success), evaluated=len(result.results), failures=failures, rows=len(frame))
+                                examples=list(info.get("partial_unexpected_list") or [])[:5],
+                                rows=[int(i) for i in rows] if rows is not None else None))
+    docs = None
+    for site in context.get_docs_sites_urls():
+        url = site.get("site_url") or ""
+        if url.startswith("file://"):
+            docs = Path(url[len("file://"):]).parent
+    return Report(success=bool(result.success), evaluated=len(result.results), failures=failures, rows=len(frame),
+                  docs_dir=docs)
 
 
 def _bounds(kwargs: dict) -> str:

@@ -89,6 +89,61 @@ def test_validate_fails_with_summary_of_bad_rows(tmp_path, damage, pattern):
         validate.run(make_ctx(tmp_path, raw.parent))
 
 
+def _damaged_raw(tmp_path: Path) -> tuple[Path, list[int]]:
+    """1200 rows, of which rows 3, 5 (NaN), 9 (out of range), 4 (short) and 1 (bad label) are bad."""
+    t = raw_table()
+    rows = [list(r) for r in t["images"]]
+    labels = t["labels"]
+    rows[3][10] = rows[5][0] = float("nan")
+    rows[9][0] = 99.0
+    rows[4] = rows[4][:60]
+    labels[1] = 42
+    raw = tmp_path / "raw" / "part-0.parquet"
+    raw.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"image": pa.array(rows, type=pa.list_(pa.float32())), "label": pa.array(labels)}), raw)
+    return raw, [1, 3, 4, 5, 9]
+
+
+def test_validate_failure_keeps_data_docs(tmp_path):
+    raw, _ = _damaged_raw(tmp_path)
+    ctx = make_ctx(tmp_path, raw.parent)
+    with pytest.raises(DataError, match="5 of 9 expectations failed on 1200 rows"):
+        validate.run(ctx)
+    docs = ctx.result("validate")["data_docs"]
+    html = ctx.storage.read_bytes(docs).decode()
+    assert "Data Docs" in html or "Great Expectations" in html
+    pages = [k for k in ctx.storage.list(docs.rsplit("/", 1)[0]) if k.endswith(".html") and "validations" in k]
+    assert pages, "the validation result page is part of the site"
+
+
+def test_validate_quarantines_bad_rows_and_convert_leaves_them_out(tmp_path):
+    raw, bad = _damaged_raw(tmp_path)
+    ctx = make_ctx(tmp_path, raw.parent, lambda d: d["validation"].update(on_failure="quarantine",
+                                                                          max_bad_fraction=0.01))
+    out = run_chain(ctx, validate, convert)
+    q = out["validate"]["quarantine"]
+    assert q["rows"] == len(bad)
+    rows = pq.read_table(io.BytesIO(ctx.storage.read_bytes(q["file"])))
+    assert rows.column("_row").to_pylist() == bad
+    reasons = dict(zip(rows.column("_row").to_pylist(), rows.column("_failed").to_pylist()))
+    assert "image__finite" in reasons[3] and "label" in reasons[1] and "image__len" in reasons[4]
+    assert sum(out["convert"]["rows"].values()) == 1200 - len(bad)
+    # The same input with a stricter limit fails the run, naming the fraction.
+    strict = make_ctx(tmp_path / "s", raw.parent, lambda d: d["validation"].update(on_failure="quarantine",
+                                                                                 max_bad_fraction=0.001))
+    with pytest.raises(DataError, match=r"validation\.max_bad_fraction: 5 of 1200 rows \(0\.42%\) fail expectations,"
+                                        r" more than the 0\.10% allowed"):
+        validate.run(strict)
+
+
+def test_quarantine_does_not_excuse_table_level_failures(tmp_path):
+    t = raw_table(50)
+    raw = write_raw(tmp_path / "raw" / "part-0.parquet", t["images"], t["labels"])
+    ctx = make_ctx(tmp_path, raw.parent, lambda d: d["validation"].update(on_failure="quarantine"))
+    with pytest.raises(DataError, match="table-level expectations failed.*expect_table_row_count_to_be_between"):
+        validate.run(ctx)
+
+
 @pytest.mark.parametrize("kind,pattern", [
     ("missing_column", r"part-0\.parquet: missing column 'label' \(dataset\.fields\)"),
     ("wrong_type", r"part-0\.parquet: column 'image' has type string, spec says an array of float32 with shape \[8, 8\]"),

@@ -245,8 +245,11 @@ class EpochLoader:
         spans = skip_samples(self.spans(epoch), start)
         dataset = Spans(self.data_dir, self.fmt, self.blocks, spans, self.decoder, self.label, self.wait_seconds)
         workers = min(self.workers, len(spans))
+        # Its own generator: creating the loader must not draw from torch's global RNG, or a run resumed
+        # mid-epoch (loader created at the resume point) would see other dropout masks than the original.
         loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                            prefetch_factor=self.prefetch if workers else None)
+                            prefetch_factor=self.prefetch if workers else None,
+                            generator=torch.Generator().manual_seed(self.seed + epoch))
         xs, ys, have = [], [], 0
         for x, y in loader:
             xs.append(x)

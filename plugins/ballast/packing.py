@@ -100,8 +100,9 @@ def plan_chunks(files: list[Path]) -> list[Chunk]:
     return chunks
 
 
-def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int) -> Iterator[tuple[int, Any, Any]]:
-    """(first global row, features (n, *shape), labels (n,)) for each batch of a chunk."""
+def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int, drop: Any = None) -> Iterator[tuple[Any, Any, Any]]:
+    """(global row ids, features (n, *shape), labels (n,)) for each batch of a chunk, without the rows
+    whose ids are in `drop` (sorted; the rows validation quarantined)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -116,13 +117,20 @@ def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int) -> Iterator[
                                   columns=[f.name, dataset.label])
         first = chunk.first_row
         for batch in batches:
+            ids = np.arange(first, first + batch.num_rows, dtype=np.int64)
+            first += batch.num_rows
+            if drop is not None and drop.size:
+                keep = ~np.isin(ids, drop)
+                if not keep.all():
+                    batch = batch.filter(pa.array(keep))
+                    ids = ids[keep]
             col = batch.column(f.name)
             if pa.types.is_fixed_size_list(col.type):
                 col = col.cast(pa.list_(col.type.value_type))
             lengths = pc.fill_null(pc.list_value_length(col), -1).to_numpy(zero_copy_only=False)
             bad = np.flatnonzero(lengths != size)
             if bad.size:
-                raise DataError(f"{chunk.path}: row {first + int(bad[0])}: {f.name!r} holds {int(lengths[bad[0]])}"
+                raise DataError(f"{chunk.path}: row {int(ids[bad[0]])}: {f.name!r} holds {int(lengths[bad[0]])}"
                                 f" values, the spec's shape {list(f.shape)} needs {size}; validate the data first")
             values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
             if np.issubdtype(dtype, np.integer) and values.size:
@@ -130,13 +138,12 @@ def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int) -> Iterator[
                 lo, hi = values.min(), values.max()
                 if lo < info.min or hi > info.max:
                     raise DataError(f"{chunk.path}: {f.name!r} has values in [{lo}, {hi}], outside {f.type}")
-            x = values.astype(dtype, copy=False).reshape(batch.num_rows, *f.shape)
+            x = values.astype(dtype, copy=False).reshape(len(ids), *f.shape)
             labels = batch.column(dataset.label)
             if labels.null_count:
                 raise DataError(f"{chunk.path}: label {dataset.label!r} has nulls; validate the data first")
             y = labels.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-            yield first, x, y
-            first += batch.num_rows
+            yield ids, x, y
     except DataError:
         raise
     except Exception as exc:  # truncated files surface here, mid-read

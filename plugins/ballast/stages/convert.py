@@ -96,11 +96,8 @@ def convert_arrow(chunks, spec, bad_rows, staging: Path, progress: Progress | No
             counts[split] = rest
 
     for chunk in chunks:
-        for first, x, y in read_chunk(chunk, ds, conv.read_batch_rows):
-            ids = np.arange(first, first + len(y), dtype=np.int64)
+        for ids, x, y in read_chunk(chunk, ds, conv.read_batch_rows, drop=bad_rows):
             codes = split_codes(ids, validation=ds.split.validation, test=ds.split.test, seed=ds.split.seed)
-            if bad_rows.size:
-                codes[np.isin(ids, bad_rows)] = -1
             encoded = enc.encode(x)
             for code, split in enumerate(SPLITS):
                 sel = np.flatnonzero(codes == code)
@@ -109,7 +106,7 @@ def convert_arrow(chunks, spec, bad_rows, staging: Path, progress: Progress | No
                     counts[split] += sel.size
                     cut(split, final=False)
             if progress:
-                progress.add(len(y))
+                progress.add(len(ids))
     for split in SPLITS:
         cut(split, final=True)
     return entries

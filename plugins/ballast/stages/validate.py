@@ -8,7 +8,9 @@ how many rows, with a few bad values.
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import DataError, SpecError
@@ -52,23 +54,86 @@ def run(ctx: RunContext) -> dict:
     import data_checks
 
     t0 = time.monotonic()
+    v = ctx.spec.validation
     files = raw_files(ctx)
     table = read_table(files, ctx.spec.dataset)
     frame, arrays = check_frame(table, ctx.spec.dataset)
     rules = rules_for(ctx)
     ctx.log.info("validating %d rows from %d file(s) with %d rules", table.num_rows, len(files), len(rules))
-    report = data_checks.run(frame, rules, array_columns=arrays, name=ctx.spec.name)
+    quarantine = v.on_failure == "quarantine"
+    report = data_checks.run(frame, rules, array_columns=arrays, name=ctx.spec.name, row_indices=quarantine)
     result = {
         "rows": table.num_rows,
         "files": [str(p) for p in files],
         "input_fingerprint": fingerprint_files(files),
         "expectations": report.evaluated,
         "failures": [f.line() for f in report.failures],
+        "data_docs": _keep_data_docs(ctx, report.docs_dir),
         "seconds": round(time.monotonic() - t0, 3),
     }
-    if not report.success:
-        for f in report.failures:
-            ctx.log.error("expectation failed: %s", f.line())
-        raise DataError(f"dataset.location {ctx.spec.dataset.location}: {report.summary()}")
-    ctx.log.info("all %d expectations passed on %d rows", report.evaluated, table.num_rows)
+    if report.success:
+        ctx.log.info("all %d expectations passed on %d rows", report.evaluated, table.num_rows)
+        return result
+    for f in report.failures:
+        ctx.log.error("expectation failed: %s", f.line())
+    where = f"dataset.location {ctx.spec.dataset.location}"
+    if not quarantine:
+        ctx.save_result("validate", result)  # the report and Data Docs stay findable after the failure
+        raise DataError(f"{where}: {report.summary()}")
+    table_level = [f for f in report.failures if f.rows is None]
+    if table_level:
+        ctx.save_result("validate", result)
+        raise DataError(f"{where}: table-level expectations failed, which quarantining rows cannot fix: "
+                        + "; ".join(f.line() for f in table_level))
+    result["quarantine"] = _quarantine(ctx, table, report, result)
     return result
+
+
+def _quarantine(ctx: RunContext, table, report, result: dict) -> dict:
+    """Set the failing rows aside in a quarantine file; fail if there are more than allowed."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    v = ctx.spec.validation
+    reasons: dict[int, list[str]] = {}
+    for f in report.failures:
+        label = f"{f.expectation}({f.column})" if f.column else f.expectation
+        for i in f.rows or ():
+            reasons.setdefault(i, []).append(label)
+    bad = np.array(sorted(reasons), dtype=np.int64)
+    fraction = len(bad) / max(table.num_rows, 1)
+    if fraction > v.max_bad_fraction:
+        ctx.save_result("validate", result)
+        raise DataError(f"validation.max_bad_fraction: {len(bad)} of {table.num_rows} rows ({fraction:.2%}) fail"
+                        f" expectations, more than the {v.max_bad_fraction:.2%} allowed; {report.summary()}")
+    rows = table.take(pa.array(bad))
+    rows = rows.append_column("_row", pa.array(bad)).append_column(
+        "_failed", pa.array(["; ".join(reasons[int(i)]) for i in bad]))
+    buf = io.BytesIO()
+    pq.write_table(rows, buf)
+    prefix = f"{ctx.run_key}/quarantine"
+    ids = io.BytesIO()
+    np.save(ids, bad, allow_pickle=False)
+    ctx.storage.write_bytes(f"{prefix}/row_ids.npy", ids.getvalue())
+    ctx.storage.write_bytes(f"{prefix}/rows.parquet", buf.getvalue())
+    ctx.log.warning("quarantined %d of %d rows (%.2f%%, limit %.2f%%) into %s; the other rows go on", len(bad),
+                    table.num_rows, 100 * fraction, 100 * v.max_bad_fraction,
+                    ctx.storage.describe(f"{prefix}/rows.parquet"))
+    return {"rows": int(len(bad)), "fraction": round(fraction, 6), "file": f"{prefix}/rows.parquet",
+            "row_ids_key": f"{prefix}/row_ids.npy"}
+
+
+def _keep_data_docs(ctx: RunContext, docs_dir: Path | None) -> str | None:
+    """Copy GX's Data Docs site into the run's storage; returns the key of its index.html."""
+    if docs_dir is None or not (docs_dir / "index.html").exists():
+        return None
+    prefix = f"{ctx.run_key}/data_docs"
+    for p in sorted(docs_dir.rglob("*")):
+        if p.is_file():
+            ctx.storage.upload(p, f"{prefix}/{p.relative_to(docs_dir).as_posix()}")
+    shutil.rmtree(docs_dir, ignore_errors=True)
+    ctx.log.info("Data Docs: %s", ctx.storage.describe(f"{prefix}/index.html"))
+    return f"{prefix}/index.html"
