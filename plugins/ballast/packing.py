@@ -229,14 +229,23 @@ def write_shard(staging: Path, split: str, shard: int, feature: Any, labels: Any
 
 
 def _write_tfrecord(path: Path, feature: Any, labels: Any, feature_name: str, label_name: str) -> None:
+    """tf.train.Example records in TFRecord framing (the tfrecord package's), serialised with sorted
+    map keys so that the bytes depend only on the rows (protobuf's default map order does not)."""
+    import struct
+
+    from tfrecord import example_pb2
     from tfrecord.writer import TFRecordWriter
 
-    writer = TFRecordWriter(str(path))
-    try:
+    crc = TFRecordWriter.masked_crc
+    with open(path, "wb") as out:
         for value, lab in zip(feature.to_pylist(), labels.tolist()):
-            writer.write({feature_name: (value, "byte"), label_name: (int(lab), "int")})
-    finally:
-        writer.close()
+            example = example_pb2.Example(features=example_pb2.Features(feature={
+                feature_name: example_pb2.Feature(bytes_list=example_pb2.BytesList(value=[value])),
+                label_name: example_pb2.Feature(int64_list=example_pb2.Int64List(value=[int(lab)])),
+            }))
+            record = example.SerializeToString(deterministic=True)
+            length = struct.pack("<Q", len(record))
+            out.write(length + crc(length) + record + crc(record))
 
 
 def write_petastorm_metadata(split_dir: Path, schema: Any, entries: list[dict]) -> Path:

@@ -125,7 +125,7 @@ def finish(staging: Path, spec, entries: list[dict]) -> list[dict]:
                             "rows": 0, "kind": "metadata", "bytes": path.stat().st_size})
     for e in out:
         e["sha256"] = sha256_file(staging / e["path"])
-    return out
+    return sorted(out, key=lambda e: (e["format"], SPLITS.index(e["split"]), e["path"]))
 
 
 def run(ctx: RunContext) -> dict:
