@@ -207,3 +207,26 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
     xe, _, _ = collect(0, workers=0, epoch=2)
     assert not torch.equal(xe, x0)                               # another epoch, another order
     assert np.isclose(float(x0.sum()), float(collect(0, workers=1)[0].sum()))
+
+
+@pytest.mark.parametrize("fmt", ["petastorm", "tfrecord"])
+def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
+    import shutil
+
+    from training.data import load_split
+    from training.failure import DataError
+
+    ctx = make_ctx(tmp_path, digits_raw, lambda d: d["training"].update(data_format=fmt))
+    cache = Path(run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]["cache_dir"])
+    copy = tmp_path / "copy"
+    shutil.copytree(cache, copy)
+    ext = "parquet" if fmt == "petastorm" else "tfrecord"
+    shard = copy / fmt / "test" / f"part-00000.{ext}"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    with pytest.raises(DataError, match=rf"test/part-00000\.{ext}: size \d+ differs from the manifest"):
+        load_split(copy, "test", fmt=fmt)
+    # Same size, damaged bytes (the warm-up's sha256 would catch it; the reader still names the file).
+    shard.write_bytes(data[:40] + b"\xff" * 200 + data[240:])
+    with pytest.raises(DataError, match=rf"test/part-00000\.{ext}: "):
+        load_split(copy, "test", fmt=fmt)
