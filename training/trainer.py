@@ -39,6 +39,9 @@ from training.models import build_model
 from training.monitor import Metrics, Nvml, SpikeDetector, Watchdog, grad_stats, memory_bytes
 
 
+MAX_ROLLBACKS_PER_CHECKPOINT = 3
+
+
 class _Dist:
     """The process group (plus a separate gloo group for checkpoint writes), or a single process."""
 
@@ -148,6 +151,7 @@ class Trainer:
         self.best: dict[str, Any] | None = None
         self.bad_epochs = 0
         self.skip: set[tuple[int, int]] = set()  # (epoch, pos) of batches never to train on again
+        self._rollbacks: dict[str, int] = {}       # checkpoint name -> rollbacks to it in this process
         self.preempt_at: float | None = None
         self._last_save = time.monotonic()
         self.train_seconds = 0.0  # time inside the step loop (no evaluation, no end-of-epoch save)
@@ -491,6 +495,14 @@ class Trainer:
         path = ckpt.latest_valid(self.ckpt_root, log=self.log)
         if path is None:
             return False
+        # Spikes that come back after every rollback are the data, not a fluke: after a few rollbacks to
+        # the same checkpoint, keep going (the alert and the anomaly checkpoint still happen).
+        tries = self._rollbacks.get(path.name, 0)
+        if tries >= MAX_ROLLBACKS_PER_CHECKPOINT:
+            self.log(f"loss spike at epoch {bad[0]} batch {bad[1]}: already rolled back {tries} times to"
+                     f" {path.name}; continuing without rollback")
+            return False
+        self._rollbacks[path.name] = tries + 1
         self.opt.zero_grad(set_to_none=True)
         self.resume(path)
         self.skip.add(bad)
