@@ -79,6 +79,17 @@ BAD = [
     ("bad_storage", lambda d: d["storage"].update(uri="s3://"),
      r"storage\.uri: must be a local path or s3://bucket/prefix \(got 's3://'\)"),
     ("bad_name", lambda d: d.update(name="My Pipeline"), r"name: must match"),
+    ("png_for_floats", lambda d: d["dataset"]["fields"][0].update(codec="png"),
+     r"bad\.yaml:\d+: dataset\.fields\[0\]\.codec: png stores uint8 images of shape \[H, W\] or \[H, W, 3\] \(got float32 \[8, 8\]\); use codec: ndarray"),
+    ("format_not_converted", lambda d: d["conversion"].update(formats=["tfrecord"]) or
+     d["training"].update(data_format="petastorm"),
+     r"training\.data_format: 'petastorm' is not among conversion\.formats \(tfrecord\)"),
+    ("unknown_engine", lambda d: d["conversion"].update(engine="dask"),
+     r"conversion\.engine: must be one of 'arrow' or 'spark' \(got 'dask'\)"),
+    ("bad_fraction", lambda d: d["validation"].update(on_failure="quarantine", max_bad_fraction=1.5),
+     r"validation\.max_bad_fraction: must be < 1"),
+    ("bad_retry_mode", lambda d: d["storage"].update(retry_mode="forever"),
+     r"storage\.retry_mode: must be one of 'standard', 'adaptive' or 'legacy' \(got 'forever'\)"),
 ]
 
 

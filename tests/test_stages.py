@@ -15,6 +15,7 @@ from ballast.errors import DataError, StorageError
 from ballast.spec import parse_spec
 from ballast.packing import split_codes
 from ballast.stages import convert, validate, warm_cache, warm_cache_rest
+from ballast.stages.warm_cache import plan_stages
 from ballast.storage import LocalStorage, safe_key
 from conftest import example_data
 
@@ -272,8 +273,8 @@ def test_warm_cache_stages_follow_the_training_read_order(tmp_path, digits_raw):
     have = {p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()}
     fmt_files = [f["path"] for f in manifest["files"] if f["format"] == "petastorm"]
     train = [f for f in fmt_files if "/train/" in f and f.endswith(".parquet")]
-    assert {f for f in fmt_files if "/validation/" in f} <= have           # per-epoch validation
-    assert not {f for f in fmt_files if "/test/" in f and f.endswith(".parquet")} & have  # test comes later
+    later = {f for f in fmt_files if ("/test/" in f or "/validation/" in f) and f.endswith(".parquet")}
+    assert not later & have  # validation and test come with the last stage
     assert 0 < len(set(train) & have) < len(train)
     # Every rank's first quarter of epoch 0 reads only files already cached.
     for rank in range(2):
@@ -318,13 +319,16 @@ def test_warm_cache_resumes_a_partial_download(tmp_path, digits_raw):
 def test_warm_cache_refuses_damaged_source_and_over_budget(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
-    shard = Path(ctx.storage.local_path(conv["prefix"])) / "petastorm" / "validation" / "part-00000.parquet"
+    first = plan_stages(json.loads(ctx.storage.read_bytes(f"{conv['prefix']}/manifest.json")), "petastorm",
+                        [0.25, 1.0], world=2, seed=0)[0]
+    victim = next(f["path"] for f in first if f["path"].endswith(".parquet"))
+    shard = Path(ctx.storage.local_path(conv["prefix"])) / victim
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(DataError, match=r"part-00000\.parquet: size or sha256 differs from the dataset manifest"):
+    with pytest.raises(DataError, match=rf"{victim}: size or sha256 differs from the dataset manifest"):
         warm_cache.run(ctx)
-    assert not list(Path(ctx.cache_root).rglob("validation/*part-00000.parquet*"))  # nothing half-trusted
+    assert not list(Path(ctx.cache_root).rglob(f"*{Path(victim).name}*"))  # nothing half-trusted
     small = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(max_bytes=1000))
     small.save_result("convert", conv)
     with pytest.raises(StorageError, match=r"cache\.max_bytes: stage 'first_steps' needs \d+ more bytes"):

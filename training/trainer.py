@@ -175,10 +175,9 @@ class Trainer:
         self.train_data = EpochLoader(Path(cfg.data_dir), fmt=cfg.data_format, rank=self.rank, world=self.dist.world,
                                       seed=cfg.seed, workers=workers, prefetch=cfg.loader_prefetch,
                                       wait_seconds=cfg.data_wait_seconds)
-        self.val_data = load_split(Path(cfg.data_dir), "validation", fmt=cfg.data_format,
-                                   num_classes=cfg.num_classes, wait_seconds=cfg.data_wait_seconds)
-        if tuple(self.val_data.features.shape[1:]) != tuple(cfg.input_shape):
-            raise DataError(f"{cfg.data_dir}: feature {cfg.feature!r} has shape {list(self.val_data.features.shape[1:])},"
+        self._val_data: Split | None = None  # loaded at the first evaluation: a staged cache may bring it later
+        if tuple(self.train_data.decoder.shape) != tuple(cfg.input_shape):
+            raise DataError(f"{cfg.data_dir}: feature {cfg.feature!r} has shape {list(self.train_data.decoder.shape)},"
                             f" the model expects {cfg.input_shape}")
 
         model = build_model(cfg.model, input_shape=cfg.input_shape, num_classes=cfg.num_classes,
@@ -375,6 +374,14 @@ class Trainer:
     def _anomaly(self, kind: str, **fields: Any) -> None:
         self.metrics.anomaly(kind)
         self.metrics.event("anomaly", self.step, kind=kind, epoch=self.epoch, pos=self.pos, **fields)
+
+    @property
+    def val_data(self) -> Split:
+        if self._val_data is None:
+            cfg = self.cfg
+            self._val_data = load_split(Path(cfg.data_dir), "validation", fmt=cfg.data_format,
+                                        num_classes=cfg.num_classes, wait_seconds=cfg.data_wait_seconds)
+        return self._val_data
 
     def train_epoch(self) -> bool:
         """Train the rest of the current epoch; False when a rollback moved to another epoch."""

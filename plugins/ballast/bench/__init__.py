@@ -15,6 +15,15 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from ballast.bench import train_runtime
 
         return getattr(train_runtime, f"bench_{name}")()
+    if name in ("convert", "read", "warmup"):
+        from ballast.bench import data_plane
+
+        sizes = {k: v for k, v in (("rows", args.rows), ("samples", args.samples)) if v is not None}
+        fn = getattr(data_plane, f"bench_{name}")
+        import inspect
+
+        accepted = inspect.signature(fn).parameters
+        return fn(**{k: v for k, v in sizes.items() if k in accepted})
     raise ValueError(f"unknown benchmark {name!r}")
 
 

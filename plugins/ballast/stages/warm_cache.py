@@ -2,10 +2,10 @@
 
 Stage k of `cache.stages` brings in the training files that hold the first `fraction` of every
 rank's samples of epoch 0, in the order the trainer reads them (the same plan, training.data), so
-stage 1 is exactly what the first steps need. This task warms stage 1 with the validation set and
-the dataset's metadata and writes the cache's manifest; training starts then, while the next task
-(warm_cache_rest) brings the later stages and the test set; the trainer waits for a shard that is
-not in yet.
+stage 1 is exactly what the first steps need. This task warms stage 1 with the dataset's metadata
+and writes the cache's manifest; training starts then, while the next task (warm_cache_rest) brings
+the later stages, then the validation and test sets (the last stage); the trainer waits for a shard
+that is not in yet, and loads the validation set at its first evaluation.
 
 A file counts as cached only once its size and sha256 match the manifest: it is streamed into
 `.<name>.part`, hashed while written, and renamed only when it matches. A re-run skips verified
@@ -42,7 +42,7 @@ def plan_stages(manifest: dict, fmt: str, fractions: list[float], *, world: int,
     blocks = blocks_of(manifest, "train", fmt)
     spans = [rank_spans(blocks, seed=seed, epoch=0, rank=r, world=world) for r in range(world)]
     per_rank = sum(b.rows for b in blocks) // world
-    first = [f for f in files if f.get("kind") == "metadata" or f["split"] == "validation"]
+    first = [f for f in files if f.get("kind") == "metadata"]
     out, taken = [], {f["path"] for f in first}
     for i, frac in enumerate(fractions):
         stage = list(first) if i == 0 else []
