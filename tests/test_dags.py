@@ -44,9 +44,8 @@ def test_dagbag_has_no_import_errors_and_stages_in_order():
     dag = bag.dags["ballast_digits"]
     ups = {t.task_id: t.upstream_task_ids for t in dag.tasks}
     assert ups == {
-        "validate": set(), "convert": {"validate"}, "warm_cache": {"convert"}, "warm_cache_rest": {"warm_cache"},
-        "train": {"warm_cache"}, "verify_checkpoint": {"train"}, "evaluate": {"verify_checkpoint", "warm_cache_rest"},
-        "publish": {"evaluate"},
+        "validate": set(), "convert": {"validate"}, "warm_cache": {"convert"}, "train": {"warm_cache"},
+        "verify_checkpoint": {"train"}, "evaluate": {"verify_checkpoint"}, "publish": {"evaluate"},
     }
     assert dag.tags == {"ballast", "example", "vision"} or set(dag.tags) == {"ballast", "example", "vision"}
     assert dag.owner == "data-team"

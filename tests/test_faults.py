@@ -17,9 +17,9 @@ import pytest
 
 from ballast.launch import run_config
 from ballast.spec import parse_spec
-from ballast.stages import convert, validate, warm_cache, warm_cache_rest
+from ballast.stages import convert, validate, warm_cache
 from conftest import example_data
-from test_stages import make_ctx, run_chain
+from test_stages import make_ctx, run_chain, warm_cache_rest
 from training import checkpoint as ckpt
 from training.failure import EXIT_CODES
 

@@ -14,7 +14,7 @@ from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
 from ballast.spec import parse_spec
 from ballast.packing import split_codes
-from ballast.stages import convert, validate, warm_cache, warm_cache_rest
+from ballast.stages import convert, validate, warm_cache
 from ballast.stages.warm_cache import plan_stages
 from ballast.storage import LocalStorage, safe_key
 from conftest import example_data
@@ -42,6 +42,16 @@ def write_raw(path: Path, images, labels, *, image_type=None) -> Path:
     col = pa.array([row.tolist() for row in images], type=image_type or pa.list_(pa.float32()))
     pq.write_table(pa.table({"image": col, "label": pa.array(labels)}), path)
     return path
+
+
+class warm_cache_rest:  # noqa: N801  (used like a stage module in run_chain)
+    """The later cache stages, which the train task warms in the background."""
+
+    __name__ = "ballast.stages.warm_cache_rest"
+
+    @staticmethod
+    def run(ctx: RunContext) -> dict:
+        return warm_cache.warm_rest(ctx)
 
 
 def run_chain(ctx: RunContext, *stages) -> dict:
@@ -359,3 +369,20 @@ def test_local_storage_roundtrip(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
     with pytest.raises(StorageError, match="no such file"):
         s.read_bytes("a/missing")
+
+
+def test_training_is_ended_when_the_background_warm_up_fails(tmp_path):
+    import logging
+    import sys
+    import time
+
+    from ballast.stages.train import _supervise
+
+    class Ctx:
+        log = logging.getLogger("test")
+
+    failed_at = time.monotonic() + 1.0
+    t0 = time.monotonic()
+    rc, hung = _supervise([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, Ctx(), hang_timeout=600,
+                          abort=lambda: DataError("damaged shard") if time.monotonic() > failed_at else None)
+    assert not hung and rc != 0 and time.monotonic() - t0 < 20

@@ -106,8 +106,8 @@ def test_data_plane_through_s3(bucket, tmp_path, digits_raw):
     import json
 
     from ballast.errors import DataError
-    from ballast.stages import convert, validate, warm_cache, warm_cache_rest
-    from test_stages import make_ctx, run_chain
+    from ballast.stages import convert, validate, warm_cache
+    from test_stages import make_ctx, run_chain, warm_cache_rest
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["storage"].update(uri=f"s3://{bucket}/pipes", max_attempts=2))
     out = run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from ballast.launch import adapt_micro_batch, run_config, torchrun_argv
 from ballast.spec import load_spec, parse_spec
-from ballast.stages import convert, validate, warm_cache, warm_cache_rest
+from ballast.stages import convert, validate, warm_cache
 from conftest import EXAMPLE_SPEC, example_data
-from test_stages import make_ctx, run_chain
+from test_stages import make_ctx, run_chain, warm_cache_rest
 
 from training import checkpoint as ckpt
 from training.failure import EXIT_CODES

@@ -107,6 +107,7 @@ class Decoder:
             return out
         import cv2
 
+        cv2.setNumThreads(1)  # one thread per loader worker; OpenCV's own pool would oversubscribe the cores
         for i, v in enumerate(values):
             img = cv2.imdecode(np.frombuffer(v, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
             if img is None:

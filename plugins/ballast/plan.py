@@ -13,17 +13,17 @@ from typing import Any
 
 from ballast.spec import Spec, get_path, overridable_field
 
-# The stages every pipeline runs, in a valid order, with what each waits for. Each is the module
-# ballast.stages.<name>. Training starts once the first cache stage is in; the rest of the cache
-# warms beside it (the trainer waits for any shard not there yet), and evaluation needs all of it.
+# The stages every pipeline runs, in order, with what each waits for. Each is the module
+# ballast.stages.<name>. Training starts once the first cache stage is in; the train task warms the
+# later stages in the background on the same node while torchrun runs (the trainer waits for any
+# shard not there yet).
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "validate": (),
     "convert": ("validate",),
     "warm_cache": ("convert",),
-    "warm_cache_rest": ("warm_cache",),
     "train": ("warm_cache",),
     "verify_checkpoint": ("train",),
-    "evaluate": ("verify_checkpoint", "warm_cache_rest"),
+    "evaluate": ("verify_checkpoint",),
     "publish": ("evaluate",),
 }
 STAGES: tuple[str, ...] = tuple(UPSTREAM)
@@ -75,8 +75,7 @@ _DOCS = {
     "validate": "Check the raw data with Great Expectations before anything trusts it.",
     "convert": "Write Petastorm (Parquet) and TFRecord shards with a manifest of sizes and sha256.",
     "warm_cache": "Copy what training needs first to the node-local cache, each file verified against the manifest.",
-    "warm_cache_rest": "Copy the remaining cache stages while training runs, each file verified.",
-    "train": "Run distributed training with torchrun; resume from the latest committed checkpoint.",
+    "train": "Run distributed training with torchrun (the rest of the cache warms beside it); resume from the latest committed checkpoint.",
     "verify_checkpoint": "Check the final checkpoint's manifest, hashes and tensors before anyone uses it.",
     "evaluate": "Score the best checkpoint on the held-out test split; gate publishing on the threshold.",
     "publish": "Write the model, its card and the run report to storage, atomically.",

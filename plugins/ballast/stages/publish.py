@@ -44,7 +44,7 @@ def run(ctx: RunContext) -> dict:
         "model_card": ctx.storage.describe(f"{prefix}/model_card.json"),
         "checkpoints": train["checkpoint_dir"],
         "test": card["test"], "training": card["training"],
-        "stages": {s: ctx.result(s) for s in ("validate", "convert", "warm_cache", "warm_cache_rest", "train", "verify_checkpoint")},
+        "stages": {s: ctx.result(s) for s in ("validate", "convert", "warm_cache", "train", "verify_checkpoint")},
     }
     ctx.storage.write_bytes(f"{ctx.run_key}/report.json", json.dumps(report, indent=2, default=str).encode())
     ctx.log.info("published %s: test %s %.4f", ctx.storage.describe(prefix), ev["metric"], ev["value"])

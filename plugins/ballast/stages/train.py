@@ -56,7 +56,15 @@ def run(ctx: RunContext) -> dict:
     ctx.log.info("launching: %s", " ".join(argv))
     # The trainer's own watchdog (same timeout) fires first and classifies the hang; this outer guard
     # catches what it cannot see, such as a group stuck in rendezvous before the first step.
-    rc, hung = _supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60)
+    warmer = _Warmer(ctx) if cache.get("pending_stages") else None
+    try:
+        rc, hung = _supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60,
+                              abort=(lambda: warmer.error) if warmer else None)
+    finally:
+        if warmer:
+            warmer.join()
+    if warmer and warmer.error:
+        raise warmer.error  # a damaged shard or a full disk: training could not have finished on this cache
     if rc != 0:
         record = read_record(out_dir)
         if hung:
@@ -114,8 +122,28 @@ def stop_running() -> None:
         _kill_group(proc)
 
 
-def _supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: float) -> tuple[int, bool]:
-    """Run torchrun in its own process group, relaying its output; end it if the heartbeat stalls."""
+class _Warmer(threading.Thread):
+    """The cache's later stages, warmed beside training on this node; `error` once it failed."""
+
+    def __init__(self, ctx: RunContext):
+        super().__init__(name="warm-cache-rest", daemon=True)
+        self.ctx, self.error, self.result = ctx, None, None
+        self.start()
+
+    def run(self) -> None:
+        from ballast.stages.warm_cache import warm_rest
+
+        try:
+            self.result = warm_rest(self.ctx)
+        except BaseException as exc:  # noqa: BLE001  (reported by the train task)
+            self.ctx.log.error("warming the rest of the cache failed: %s", exc)
+            self.error = exc
+
+
+def _supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: float,
+               abort=None) -> tuple[int, bool]:
+    """Run torchrun in its own process group, relaying its output; end it if the heartbeat stalls,
+    or when `abort()` returns something (the background cache warm-up failed)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
@@ -138,6 +166,10 @@ def _supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout:
             if time.time() - last > hang_timeout:
                 hung = True
                 ctx.log.error("no training progress for %.0fs; ending the process group", hang_timeout)
+                _kill_group(proc)
+                break
+            if abort is not None and abort() is not None:
+                ctx.log.error("the cache warm-up failed; ending training")
                 _kill_group(proc)
                 break
     except BaseException:

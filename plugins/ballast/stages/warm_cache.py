@@ -3,9 +3,10 @@
 Stage k of `cache.stages` brings in the training files that hold the first `fraction` of every
 rank's samples of epoch 0, in the order the trainer reads them (the same plan, training.data), so
 stage 1 is exactly what the first steps need. This task warms stage 1 with the dataset's metadata
-and writes the cache's manifest; training starts then, while the next task (warm_cache_rest) brings
-the later stages, then the validation and test sets (the last stage); the trainer waits for a shard
-that is not in yet, and loads the validation set at its first evaluation.
+and writes the cache's manifest; training starts then, and the train task warms the later stages
+(`warm_rest`), then the validation and test sets (the last stage), in the background on the same
+node; the trainer waits for a shard that is not in yet and loads the validation set at its first
+evaluation.
 
 A file counts as cached only once its size and sha256 match the manifest: it is streamed into
 `.<name>.part`, hashed while written, and renamed only when it matches. A re-run skips verified
@@ -175,3 +176,8 @@ def warm(ctx: RunContext, stage_indices: list[int]) -> dict:
 
 def run(ctx: RunContext) -> dict:
     return warm(ctx, [0])
+
+
+def warm_rest(ctx: RunContext) -> dict:
+    """The later stages (what `run` left for the train task to bring in beside training)."""
+    return warm(ctx, list(range(1, len(ctx.spec.cache.stages))))
