@@ -15,14 +15,19 @@ export AIRFLOW__CORE__EXECUTOR ?= LocalExecutor
 export GX_ANALYTICS_ENABLED ?= False
 export TQDM_DISABLE ?= 1
 
-.PHONY: env demo test ui lint schema bench constraints clean
+.PHONY: env java demo test ui lint schema bench constraints clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $@
 
-env: $(BIN)/.installed
+# Java runs Spark for the spark conversion engine (and its tests); installed from Debian when missing.
+java:
+	@command -v java >/dev/null || { echo "installing Java 17 (openjdk-17-jre-headless) for Spark"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends openjdk-17-jre-headless >/dev/null; }
+
+env: $(BIN)/.installed java
 
 demo: env
 	$(BIN)/ballast demo

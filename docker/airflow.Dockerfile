@@ -7,7 +7,8 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     AIRFLOW__CORE__DAGS_FOLDER=/opt/ballast-src/dags AIRFLOW__CORE__PLUGINS_FOLDER=/opt/ballast-src/plugins \
     AIRFLOW__CORE__LOAD_EXAMPLES=False GX_ANALYTICS_ENABLED=False TQDM_DISABLE=1
 
-RUN apt-get update && apt-get install -y --no-install-recommends build-essential \
+# Java 17: the spark conversion engine runs Spark (local[*], or as the driver for a cluster).
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential openjdk-17-jre-headless \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/ballast-src

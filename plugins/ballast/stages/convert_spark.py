@@ -100,6 +100,9 @@ def convert_spark(chunks, spec, bad_rows, staging: Path, *, log) -> list[dict]:
 
 def session(master: str):
     """A Spark session whose Python workers run this interpreter (they need Ballast and petastorm)."""
+    import logging
+
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # its shutdown chatter lands in closed log streams
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
