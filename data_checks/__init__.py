@@ -1,7 +1,8 @@
 """Data validation: declarative rules run with Great Expectations 1.x, called directly.
 
 Rules (from a spec's `validation.rules` or a suite file under data_checks/suites/) are plain
-mappings: `{kind, column, min, max, values, mostly}`. Array columns (images, embeddings) are checked
+mappings: `{kind, column, min, max, values, mostly}`. `balance` checks each value's share of the
+rows (`<col>__share`), e.g. that no class of the label is rarer than `min`. Array columns (images, embeddings) are checked
 through derived columns computed once with numpy: `<col>__len`, `<col>__min`, `<col>__max` and
 `<col>__finite`, so GX never iterates Python objects row by row.
 """
@@ -77,6 +78,12 @@ def expectations_for(rules: Iterable[dict], *, array_columns: dict[str, int]) ->
                 raise ValueError(f"rule 'shape' needs an array column; {col!r} is a scalar")
             out.append(gxe.ExpectColumnValuesToBeInSet(column=f"{col}__len", value_set=[array_columns[col]],
                                                        mostly=mostly))
+        elif kind == "balance":
+            # Shares are per value, so this is a table-level check: the rarest and the commonest value.
+            if r.get("min") is not None:
+                out.append(gxe.ExpectColumnMinToBeBetween(column=f"{col}__share", min_value=r["min"]))
+            if r.get("max") is not None:
+                out.append(gxe.ExpectColumnMaxToBeBetween(column=f"{col}__share", max_value=r["max"]))
         elif kind == "exists":
             out.append(gxe.ExpectColumnToExist(column=f"{col}__len" if is_array else col))
         else:
@@ -97,6 +104,10 @@ def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: s
 
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
+    for r in rules:
+        col = r.get("column")
+        if r["kind"] == "balance" and f"{col}__share" not in frame:
+            frame = frame.assign(**{f"{col}__share": frame[col].map(frame[col].value_counts(normalize=True))})
     context = gx.get_context(mode="ephemeral")
     # Progress bars clutter task logs; TQDM_DISABLE alone is missed when tqdm was imported earlier.
     context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)

@@ -77,6 +77,7 @@ def test_validate_passes_on_digits(tmp_path, digits_raw):
     ("range", r"expect_column_values_to_be_between on image__max: expected between None and 16\.0, 1 rows"),
     ("shape", r"expect_column_values_to_be_in_set on image__len: expected values in \[64\], 1 rows"),
     ("few_rows", r"expect_table_row_count_to_be_between: observed 50, expected between 1000 and None"),
+    ("imbalance", r"expect_column_min_to_be_between on label__share: observed 0\.0008\d*, expected between 0\.05 and None"),
 ])
 def test_validate_fails_with_summary_of_bad_rows(tmp_path, damage, pattern):
     t = raw_table()
@@ -93,6 +94,9 @@ def test_validate_fails_with_summary_of_bad_rows(tmp_path, damage, pattern):
         rows[4] = rows[4][:60]
     elif damage == "few_rows":
         rows, labels = rows[:50], labels[:50]
+    elif damage == "imbalance":
+        labels[:] = np.where(labels == 3, 4, labels)
+        labels[0] = 3  # one row of class 3 in 1200
     raw = tmp_path / "raw" / "part-0.parquet"
     raw.parent.mkdir(parents=True)
     pq.write_table(pa.table({"image": pa.array(rows, type=pa.list_(pa.float32())), "label": pa.array(labels)}), raw)
@@ -118,7 +122,7 @@ def _damaged_raw(tmp_path: Path) -> tuple[Path, list[int]]:
 def test_validate_failure_keeps_data_docs(tmp_path):
     raw, _ = _damaged_raw(tmp_path)
     ctx = make_ctx(tmp_path, raw.parent)
-    with pytest.raises(DataError, match="5 of 9 expectations failed on 1200 rows"):
+    with pytest.raises(DataError, match="6 of 10 expectations failed on 1200 rows"):
         validate.run(ctx)
     docs = ctx.result("validate")["data_docs"]
     html = ctx.storage.read_bytes(docs).decode()
@@ -129,8 +133,14 @@ def test_validate_failure_keeps_data_docs(tmp_path):
 
 def test_validate_quarantines_bad_rows_and_convert_leaves_them_out(tmp_path):
     raw, bad = _damaged_raw(tmp_path)
-    ctx = make_ctx(tmp_path, raw.parent, lambda d: d["validation"].update(on_failure="quarantine",
-                                                                          max_bad_fraction=0.01))
+    def quarantine(limit):
+        def edit(d):
+            # balance is table-level: the one row with label 42 would be a class of its own and fail it
+            d["validation"]["rules"] = [r for r in d["validation"]["rules"] if r["kind"] != "balance"]
+            d["validation"].update(on_failure="quarantine", max_bad_fraction=limit)
+        return edit
+
+    ctx = make_ctx(tmp_path, raw.parent, quarantine(0.01))
     out = run_chain(ctx, validate, convert)
     q = out["validate"]["quarantine"]
     assert q["rows"] == len(bad)
@@ -140,8 +150,7 @@ def test_validate_quarantines_bad_rows_and_convert_leaves_them_out(tmp_path):
     assert "image__finite" in reasons[3] and "label" in reasons[1] and "image__len" in reasons[4]
     assert sum(out["convert"]["rows"].values()) == 1200 - len(bad)
     # The same input with a stricter limit fails the run, naming the fraction.
-    strict = make_ctx(tmp_path / "s", raw.parent, lambda d: d["validation"].update(on_failure="quarantine",
-                                                                                 max_bad_fraction=0.001))
+    strict = make_ctx(tmp_path / "s", raw.parent, quarantine(0.001))
     with pytest.raises(DataError, match=r"validation\.max_bad_fraction: 5 of 1200 rows \(0\.42%\) fail expectations,"
                                         r" more than the 0\.10% allowed"):
         validate.run(strict)

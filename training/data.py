@@ -5,8 +5,8 @@ layout). A *block* is the unit read at once: a Parquet row group of the Petastor
 TFRecord shard. The feature bytes are what the field's Petastorm codec wrote (`NdarrayCodec` .npy
 bytes, or PNG/JPEG from `CompressedImageCodec`) and are decoded the same way for both formats.
 
-An epoch's order is fixed by (seed, epoch): the blocks are permuted, and each block's rows; the
-concatenated sequence is cut into `world` equal contiguous parts, one per rank. So each rank reads
+An epoch's order is fixed by (seed, epoch): the files are permuted, each file's blocks, and each
+block's rows; the concatenated sequence is cut into `world` equal contiguous parts, one per rank. So each rank reads
 about 1/world of the blocks, every rank gets the same number of samples, and a rank's position in
 the epoch (a sample count) says exactly which samples remain: a run resumes mid-epoch by skipping
 that many, whatever the number of loader workers.
@@ -189,8 +189,18 @@ def load_split(data_dir: Path, split: str, *, fmt: str, num_classes: int | None 
 
 def rank_spans(blocks: list[Block], *, seed: int, epoch: int, rank: int, world: int) -> list[tuple[int, np.ndarray]]:
     """This rank's samples for an epoch, in order, as (block index, row indices within the block) spans."""
+    # Files are permuted, then each file's blocks, then each block's rows: a rank reads whole files in
+    # turn (so a cache stage holding its first files holds its first steps), and the mix changes
+    # every epoch.
+    files: dict[str, list[int]] = {}
+    for i, b in enumerate(blocks):
+        files.setdefault(b.path, []).append(i)
+    groups = list(files.values())
     rng = np.random.Generator(np.random.PCG64([seed, epoch]))
-    order = rng.permutation(len(blocks))
+    order: list[int] = []
+    for k in rng.permutation(len(groups)):
+        inner = np.random.Generator(np.random.PCG64([seed, epoch, int(k), 0xF11E])).permutation(len(groups[k]))
+        order.extend(groups[k][j] for j in inner)
     total = sum(b.rows for b in blocks)
     per_rank = total // world
     lo, hi = rank * per_rank, (rank + 1) * per_rank

@@ -115,13 +115,14 @@ class DatasetSpec(_Model):
 
 # --- validation ----------------------------------------------------------------------------------
 
-RuleKind = Literal["not_null", "between", "in_set", "row_count", "unique", "finite", "shape"]
+RuleKind = Literal["not_null", "between", "in_set", "row_count", "unique", "finite", "shape", "balance"]
 
 
 class RuleSpec(_Model):
     kind: RuleKind
     """What to check: not_null, between (min/max), in_set (values), row_count (min/max), unique,
-    finite (no NaN/Inf in a numeric or array column), shape (array length matches the schema)."""
+    finite (no NaN/Inf in a numeric or array column), shape (array length matches the schema),
+    balance (every value's share of the rows within min/max, e.g. class balance of the label)."""
     column: str | None = None
     """The column checked; not used by row_count."""
     min: float | None = None
@@ -140,7 +141,7 @@ class RuleSpec(_Model):
                 raise ValueError("column: row_count checks the whole table; remove column")
         elif self.column is None:
             raise ValueError(f"column: rule {self.kind!r} needs a column")
-        if self.kind in ("between", "row_count") and self.min is None and self.max is None:
+        if self.kind in ("between", "row_count", "balance") and self.min is None and self.max is None:
             raise ValueError(f"rule {self.kind!r} needs min, max or both")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"min ({self.min}) is greater than max ({self.max})")

@@ -65,6 +65,7 @@ def _child(kind: str, raw: str, out: str, formats: str) -> dict:
                  row_group_rows=1000, engine="spark" if kind == "spark" else "arrow", spark_master="local[2]")
     staging = Path(out) / "staging"
     staging.mkdir(parents=True)
+    sampler = _RssSampler()
     if kind == "limit":
         table = pq.read_table(files) if len(files) > 1 else pq.read_table(files[0])
         t0 = time.perf_counter()
@@ -85,8 +86,38 @@ def _child(kind: str, raw: str, out: str, formats: str) -> dict:
             entries = convert_arrow(chunks, spec, np.zeros(0, np.int64), staging)
         finish(staging, spec, entries)
         seconds = time.perf_counter() - t0
+    working = sampler.stop()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"rows": rows, "seconds": seconds, "peak_rss_mb": peak_kib / 1024}
+    return {"rows": rows, "seconds": seconds, "peak_rss_mb": peak_kib / 1024, "working_set_mb": working}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class _RssSampler:
+    """Largest RSS growth over the RSS at start, sampled every 5 ms (the imports are not counted)."""
+
+    def __init__(self):
+        import threading
+
+        self.base = self.peak = _rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_mb())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_mb()) - self.base
 
 
 def _run_child(kind: str, raw: Path, out: Path, formats: str = "petastorm") -> dict:
@@ -134,6 +165,12 @@ def bench_convert(*, rows: int = 50_000, scale: int = 10, repeat: int = 2) -> di
         "engines": engines,
         "arrow_vs_limit": round(ratio, 3),
         "peak_rss_mb": {"1x": round(rss_1x["peak_rss_mb"], 1), "10x": round(rss_10x["peak_rss_mb"], 1)},
+        "conversion_working_set_mb": {"1x": round(rss_1x["working_set_mb"], 1),
+                                      "10x": round(rss_10x["working_set_mb"], 1)},
+        "note": ("peak_rss_mb is the process peak (imports included); conversion_working_set_mb is the RSS"
+                 " growth during the conversion itself. The limit writes the raw rows as they are (a"
+                 " list<float32> column); the engine writes NdarrayCodec blobs (a binary column), which"
+                 " Parquet encodes with less work, so the engine can beat it."),
         "targets": {
             "arrow_engine_vs_write_table": target(round(ratio, 3), 0.7, lower_is_better=False),
             "peak_rss_10x_vs_1x": target(round(rss_ratio, 3), 1.2),
