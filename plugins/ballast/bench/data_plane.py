@@ -182,7 +182,8 @@ def bench_convert(*, rows: int = 50_000, scale: int = 10, repeat: int = 2) -> di
 
 
 def _evict(paths) -> None:
-    """Drop the files' pages from the page cache (clean pages; no privileges needed)."""
+    """Drop the files' pages from the page cache (no privileges needed; only clean pages go, so sync first)."""
+    os.sync()
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -225,7 +226,7 @@ def _packed_rate(cache: Path, fmt: str, workers: int, batch: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_read(*, samples: int = 20_000, repeat: int = 2, workers: int = 2, batch: int = 64) -> dict:
+def bench_read(*, samples: int = 20_000, repeat: int = 3, workers: int = 2, batch: int = 64) -> dict:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
