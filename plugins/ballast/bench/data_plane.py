@@ -175,6 +175,7 @@ def bench_convert(*, rows: int = 50_000, scale: int = 10, repeat: int = 2) -> di
             "arrow_engine_vs_write_table": target(round(ratio, 3), 0.7, lower_is_better=False),
             "peak_rss_10x_vs_1x": target(round(rss_ratio, 3), 1.2),
         },
+        "conversion_working_set_10x_vs_1x": round(rss_10x["working_set_mb"] / max(rss_1x["working_set_mb"], 1e-9), 3),
     }
 
 
@@ -310,7 +311,7 @@ def _moto_server() -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-def bench_warmup(*, rows: int = 60_000, repeat: int = 2, concurrency: int = 8) -> dict:
+def bench_warmup(*, rows: int = 300_000, repeat: int = 2, concurrency: int = 8) -> dict:
     import shutil
 
     import boto3
