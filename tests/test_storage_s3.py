@@ -166,3 +166,22 @@ def test_refused_credentials_are_named(tmp_path, monkeypatch):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_endpoint_and_credentials_from_an_airflow_connection(s3_endpoint, monkeypatch, tmp_path):
+    """storage.conn_id: endpoint, keys and region from an Airflow connection (here from the environment's
+    AIRFLOW_CONN_* secrets backend), not from the AWS environment."""
+    import json
+
+    import boto3
+
+    for key in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_BALLAST_S3", json.dumps({
+        "conn_type": "aws", "login": "conn-key", "password": "conn-secret",
+        "extra": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"}}))
+    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="x", aws_secret_access_key="x",
+                 region_name="us-east-1").create_bucket(Bucket="from-conn")
+    store = open_storage("s3://from-conn/p", conn_id="ballast_s3")
+    store.write_bytes("a.txt", b"hello")
+    assert store.read_bytes("a.txt") == b"hello"
