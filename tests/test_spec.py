@@ -46,7 +46,7 @@ BAD = [
      r" = 32 x 2 x 1 = 64 \(got 100\)"),
     ("missing_dataset", lambda d: d.pop("dataset"), r"bad\.yaml: dataset: required field is missing"),
     ("unknown_model", lambda d: d["training"].update(model="resnet9000"),
-     r"training\.model: unknown model 'resnet9000'; known: mlp, cnn"),
+     r"training\.model: unknown model 'resnet9000'; known: mlp, cnn, embed"),
     ("bad_precision", lambda d: d["training"].update(precision="fp64"),
      r"training\.precision: must be one of 'fp32', 'bf16' or 'fp16' \(got 'fp64'\)"),
     ("label_not_a_field", lambda d: d["dataset"].update(label="target"),

@@ -230,3 +230,48 @@ def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
     shard.write_bytes(data[:40] + b"\xff" * 200 + data[240:])
     with pytest.raises(DataError, match=rf"test/part-00000\.{ext}: "):
         load_split(copy, "test", fmt=fmt)
+
+
+def test_embeddings_stay_fp32_under_bf16_autocast():
+    import torch
+
+    from training.models import build_model
+
+    model = build_model("embed", input_shape=[8, 8], num_classes=10, hidden=32)
+    x = torch.randint(0, 256, (4, 8, 8)).float()
+    seen = {}
+    model.values.register_forward_hook(lambda m, i, o: seen.update(embedding=o.dtype))
+    model.head[2].register_forward_hook(lambda m, i, o: seen.update(linear=o.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert seen == {"embedding": torch.float32, "linear": torch.bfloat16}
+    out.float().sum().backward()
+    assert model.values.weight.dtype == torch.float32 and model.values.weight.grad.dtype == torch.float32
+
+
+def test_embed_model_trains_in_bf16_on_uint8_images(tmp_path):
+    """The embed model under torchrun with bf16 autocast on a PNG-coded uint8 dataset."""
+    import numpy as np
+    import pyarrow as pa
+
+    from test_stages import write_raw
+
+    rng = np.random.default_rng(0)
+    protos = rng.integers(0, 256, (10, 64))
+    labels = rng.integers(0, 10, 1200)
+    images = protos[labels].astype(np.uint8)
+    salt = rng.random(images.shape) < 0.2  # a fifth of the pixels replaced by random values
+    images[salt] = rng.integers(0, 256, int(salt.sum()))
+    raw = write_raw(tmp_path / "raw" / "part-0.parquet", images, labels, image_type=pa.list_(pa.uint8()))
+
+    def edit(d):
+        d["dataset"]["fields"][0] = {"name": "image", "type": "uint8", "shape": [8, 8]}
+        d["validation"]["rules"] = [r for r in d["validation"]["rules"] if r["kind"] in ("in_set", "row_count")]
+        d["training"].update(model="embed", precision="bf16", hidden_size=32, learning_rate=0.01)
+
+    ctx = make_ctx(tmp_path, raw.parent, edit)
+    cache = run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
+    proc, out = launch(tmp_path, cache, epochs=3, edit=edit)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best"]["value"] > 0.5  # learns the 10 noisy prototypes in bf16

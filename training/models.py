@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn")
+MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "embed")
 
 
 def build_model(name: str, *, input_shape: list[int], num_classes: int, hidden: int = 128,
@@ -45,7 +45,47 @@ def build_model(name: str, *, input_shape: list[int], num_classes: int, hidden: 
             nn.ReLU(),
             nn.Linear(hidden, num_classes),
         )
+    if name == "embed":
+        # Pixel values (0-255, e.g. uint8 images) as tokens: a learned embedding per value and per
+        # position, averaged, then an MLP. The embeddings stay in fp32 under mixed precision.
+        return _PixelEmbed(in_features, hidden, num_classes, dropout)
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+
+
+def fp32_embedding(num: int, dim: int) -> Any:
+    """An nn.Embedding that always runs, and returns, in fp32, even inside a bf16/fp16 autocast region:
+    low-precision embedding rows lose small updates (the seed documents' "embeddings in fp32")."""
+    import torch
+    import torch.nn as nn
+
+    class FP32Embedding(nn.Embedding):
+        def forward(self, idx):
+            with torch.autocast(idx.device.type, enabled=False):
+                return nn.functional.embedding(idx, self.weight.float())
+
+    return FP32Embedding(num, dim)
+
+
+def _PixelEmbed(positions: int, hidden: int, num_classes: int, dropout: float) -> Any:
+    import torch
+    import torch.nn as nn
+
+    class PixelEmbed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.values = fp32_embedding(256, hidden)
+            self.positions = fp32_embedding(positions, hidden)
+            self.head = nn.Sequential(nn.Identity(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(),
+                                      nn.Linear(hidden, num_classes))
+            self.register_buffer("index", torch.arange(positions), persistent=False)
+
+        def forward(self, x):
+            tokens = x.reshape(x.shape[0], -1).round().clamp(0, 255).long()
+            # The non-linearity before pooling lets a value mean something different at each position.
+            e = torch.relu(self.values(tokens) + self.positions(self.index))
+            return self.head(e.mean(1))
+
+    return PixelEmbed()
 
 
 def _ToNCHW(height: int, width: int, channels: int) -> Any:

@@ -271,7 +271,8 @@ class MonitorSpec(_Model):
 
 class TrainingSpec(_Model):
     model: str
-    """Architecture from the closed registry (training/models.py)."""
+    """Architecture from the closed registry (training/models.py): mlp, cnn, or embed (pixel values
+    0-255 as tokens, for uint8 images; its embeddings stay in fp32 under mixed precision)."""
     hidden_size: int = Field(128, ge=1, le=65536)
     """Width of the hidden layers."""
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
