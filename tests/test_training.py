@@ -275,3 +275,25 @@ def test_embed_model_trains_in_bf16_on_uint8_images(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best"]["value"] > 0.5  # learns the 10 noisy prototypes in bf16
+
+
+def test_checkpoint_files_are_hashed_while_written(tmp_path):
+    import torch
+
+    w = ckpt.Writer(tmp_path, 7, rank=0, barrier=lambda: None)
+    w.begin()
+    w.write_tensors("model.pt", {"w": torch.randn(64, 64)})
+    w.write_json("trainer.json", {"step": 7})
+    final = w.commit()
+    assert sorted(p.name for p in final.iterdir()) == ["COMMITTED", "manifest.json", "model.pt", "trainer.json"]
+    manifest = ckpt.verify(final)  # the digests taken while writing match a fresh read
+    assert manifest["files"]["model.pt"]["sha256"] == ckpt.sha256_file(final / "model.pt")
+    # A file changed between its write and the commit is refused, not committed with a stale digest.
+    w = ckpt.Writer(tmp_path, 8, rank=0, barrier=lambda: None)
+    w.begin()
+    w.write_tensors("model.pt", {"w": torch.randn(8)})
+    with open(w.tmp / "model.pt", "ab") as fh:
+        fh.write(b"extra")
+    with pytest.raises(ckpt.CheckpointError, match="refusing to commit"):
+        w.commit()
+    assert ckpt.latest_valid(tmp_path).name == final.name

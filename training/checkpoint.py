@@ -17,6 +17,7 @@ Importing this module does not import torch (the verification stage uses it at D
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -123,6 +124,21 @@ def load_tensors(path: Path) -> Any:
         raise CheckpointError(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc
 
 
+class _HashingWriter:
+    """A binary file wrapper that keeps a sha256 and a byte count of what goes through it."""
+
+    def __init__(self, fh):
+        self.fh, self.digest, self.size = fh, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.size += len(data) if not isinstance(data, memoryview) else data.nbytes
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 class Writer:
     """Writes one checkpoint cooperatively from every rank (call the methods on all ranks in order)."""
 
@@ -145,25 +161,40 @@ class Writer:
     def write_tensors(self, name: str, obj: Any) -> None:
         import torch
 
-        path = self.tmp / name
-        with open(path, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        with self._open(name) as out:
+            torch.save(obj, out)
 
     def write_json(self, name: str, obj: Any) -> None:
+        with self._open(name) as out:
+            out.write(json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    @contextlib.contextmanager
+    def _open(self, name: str):
+        """A file in the checkpoint, hashed while it is written (commit needs no second read of it);
+        the digest goes to a sidecar that commit folds into the manifest and removes."""
         path = self.tmp / name
-        with open(path, "w") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=True)
+        with open(path, "wb") as fh:
+            out = _HashingWriter(fh)
+            yield out
             fh.flush()
             os.fsync(fh.fileno())
+        (self.tmp / f".{name}.sha256").write_text(f"{out.digest.hexdigest()} {out.size}\n")
 
     def commit(self) -> Path:
         self.barrier()  # every rank has written and fsynced its files
         if self.rank == 0:
-            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                     for p in sorted(self.tmp.iterdir()) if p.is_file()}
+            files = {}
+            for p in sorted(self.tmp.iterdir()):
+                if not p.is_file() or p.name.startswith("."):
+                    continue
+                side = self.tmp / f".{p.name}.sha256"
+                digest, size = side.read_text().split() if side.exists() else (sha256_file(p), p.stat().st_size)
+                if int(size) != p.stat().st_size:
+                    raise CheckpointError(f"{p}: {p.stat().st_size} bytes on disk, {size} written; refusing to commit")
+                files[p.name] = {"size": int(size), "sha256": digest}
+                side.unlink(missing_ok=True)
             self.write_json(MANIFEST, {"step": self.step, "created": time.time(), "files": files})
+            (self.tmp / f".{MANIFEST}.sha256").unlink(missing_ok=True)
             _fsync_dir(self.tmp)
             if self.final.exists():  # same step saved again after a resume: replace it
                 shutil.rmtree(self.final)
