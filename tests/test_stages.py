@@ -395,3 +395,22 @@ def test_training_is_ended_when_the_background_warm_up_fails(tmp_path):
     rc, hung = _supervise([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, Ctx(), hang_timeout=600,
                           abort=lambda: DataError("damaged shard") if time.monotonic() > failed_at else None)
     assert not hung and rc != 0 and time.monotonic() - t0 < 20
+
+
+def test_vectorised_encoding_is_exactly_what_petastorm_codecs_write():
+    from petastorm.codecs import CompressedImageCodec, NdarrayCodec
+    from petastorm.unischema import UnischemaField
+
+    from ballast.packing import FeatureEncoder
+    from ballast.spec import FieldSpec
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(5, 3, 4)).astype(np.float32)
+    enc = FeatureEncoder(FieldSpec(name="f", type="float32", shape=(3, 4)))
+    field = UnischemaField("f", np.float32, (3, 4), NdarrayCodec(), False)
+    assert enc.encode(x).to_pylist() == [bytes(NdarrayCodec().encode(field, row)) for row in x]
+    img = rng.integers(0, 256, size=(3, 6, 5, 3), dtype=np.uint8)
+    png = FeatureEncoder(FieldSpec(name="g", type="uint8", shape=(6, 5, 3)))
+    gfield = UnischemaField("g", np.uint8, (6, 5, 3), CompressedImageCodec("png"), False)
+    decoded = [CompressedImageCodec("png").decode(gfield, v) for v in png.encode(img).to_pylist()]
+    assert all((d == i).all() for d, i in zip(decoded, img))  # lossless, and RGB order as petastorm expects
