@@ -414,3 +414,14 @@ def test_vectorised_encoding_is_exactly_what_petastorm_codecs_write():
     gfield = UnischemaField("g", np.uint8, (6, 5, 3), CompressedImageCodec("png"), False)
     decoded = [CompressedImageCodec("png").decode(gfield, v) for v in png.encode(img).to_pylist()]
     assert all((d == i).all() for d, i in zip(decoded, img))  # lossless, and RGB order as petastorm expects
+
+
+def test_convert_refuses_raw_data_changed_after_validation(tmp_path):
+    t = raw_table()
+    raw = write_raw(tmp_path / "raw" / "part-0.parquet", t["images"], t["labels"])
+    ctx = make_ctx(tmp_path, raw.parent)
+    run_chain(ctx, validate)
+    write_raw(raw.parent / "part-1.parquet", t["images"][:10], t["labels"][:10])  # lands after validation
+    with pytest.raises(DataError, match=r"the raw data changed after validation \(2 file\(s\) now\)"):
+        convert.run(ctx)
+    assert not list((tmp_path / "storage").rglob("manifest.json"))

@@ -26,7 +26,7 @@ from ballast.context import RunContext
 from ballast.errors import DataError
 from ballast.packing import (FORMAT_VERSION, SPLITS, FeatureEncoder, layout, plan_chunks, read_chunk, split_codes,
                              unischema, write_petastorm_metadata, write_shard)
-from ballast.rawdata import raw_files
+from ballast.rawdata import fingerprint_files, raw_files
 from ballast.storage import ballast_home, sha256_file
 
 
@@ -142,7 +142,12 @@ def run(ctx: RunContext) -> dict:
         return {"dataset_id": did, "prefix": prefix, "reused": True, "rows": manifest["rows"]}
 
     t0 = time.monotonic()
-    chunks = plan_chunks(raw_files(ctx))
+    files = raw_files(ctx)
+    if fingerprint_files(files) != fingerprint:
+        # Never convert rows that validation did not see.
+        raise DataError(f"dataset.location {spec.dataset.location}: the raw data changed after validation"
+                        f" ({len(files)} file(s) now); run the pipeline again so the new data is validated")
+    chunks = plan_chunks(files)
     total = sum(c.rows for c in chunks)
     staging = Path(tempfile.mkdtemp(prefix="convert-", dir=_staging_root()))
     try:
