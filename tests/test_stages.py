@@ -425,3 +425,38 @@ def test_convert_refuses_raw_data_changed_after_validation(tmp_path):
     with pytest.raises(DataError, match=r"the raw data changed after validation \(2 file\(s\) now\)"):
         convert.run(ctx)
     assert not list((tmp_path / "storage").rglob("manifest.json"))
+
+
+def test_a_download_cut_mid_object_is_named_and_resumed(tmp_path, digits_raw):
+    """A connection dropped mid-object: StorageError naming it, the .part kept, the next try resumes."""
+    ctx = make_ctx(tmp_path, digits_raw)
+    conv = run_chain(ctx, validate, convert)["convert"]
+    manifest = json.loads(ctx.storage.read_bytes(f"{conv['prefix']}/manifest.json"))
+    entry = next(f for f in manifest["files"] if f["path"].endswith(".parquet"))
+    key = f"{conv['prefix']}/{entry['path']}"
+
+    class Cut:
+        def __init__(self, inner):
+            self.inner, self.sent = inner, 0
+
+        def read(self, n=-1):
+            if self.sent >= 500:
+                raise StorageError(f"{ctx.storage.describe(key)}: read failed: connection reset")
+            block = self.inner.read(500)
+            self.sent += len(block)
+            return block
+
+        def close(self):
+            self.inner.close()
+
+    class Flaky(LocalStorage):
+        def open_read(self, k, start=0):
+            return Cut(super().open_read(k, start))
+
+    flaky = Flaky(ctx.storage.root)
+    dst = tmp_path / "c" / "x.parquet"
+    with pytest.raises(StorageError, match=rf"{entry['path']}: read failed: connection reset"):
+        warm_cache.fetch(flaky, key, dst, entry)
+    assert dst.with_name(".x.parquet.part").stat().st_size == 500 and not dst.exists()
+    assert warm_cache.fetch(ctx.storage, key, dst, entry) == entry["bytes"] - 500
+    assert warm_cache.verified(dst, entry)

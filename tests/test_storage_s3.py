@@ -185,3 +185,21 @@ def test_endpoint_and_credentials_from_an_airflow_connection(s3_endpoint, monkey
     store = open_storage("s3://from-conn/p", conn_id="ballast_s3")
     store.write_bytes("a.txt", b"hello")
     assert store.read_bytes("a.txt") == b"hello"
+
+
+def test_errors_while_streaming_an_object_are_storage_errors(bucket):
+    from botocore.exceptions import ResponseStreamingError
+
+    from ballast.storage import _Stream
+
+    class Body:
+        def read(self, n=-1):
+            raise ResponseStreamingError(error="connection reset by peer")
+
+        def close(self):
+            pass
+
+    store = open_storage(f"s3://{bucket}/p")
+    stream = _Stream(Body(), lambda exc: store._error("read from byte 0", "a.bin", exc))
+    with pytest.raises(StorageError, match=rf"s3://{bucket}/p/a\.bin: read from byte 0 failed"):
+        stream.read(10)

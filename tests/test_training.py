@@ -241,7 +241,7 @@ def test_embeddings_stay_fp32_under_bf16_autocast():
     x = torch.randint(0, 256, (4, 8, 8)).float()
     seen = {}
     model.values.register_forward_hook(lambda m, i, o: seen.update(embedding=o.dtype))
-    model.head[2].register_forward_hook(lambda m, i, o: seen.update(linear=o.dtype))
+    model.head[1].register_forward_hook(lambda m, i, o: seen.update(linear=o.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
     assert seen == {"embedding": torch.float32, "linear": torch.bfloat16}

@@ -72,6 +72,19 @@ def blocks_of(manifest: dict, split: str, fmt: str) -> list[Block]:
 # --- decoding -------------------------------------------------------------------------------------------
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a spec field type (float32, uint8, bool, string, ...)."""
+    return np.dtype({"bool": "bool_", "string": "str_"}.get(name, name))
+
+
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The bytes numpy's .npy format (so NdarrayCodec) puts before an array of this dtype and shape."""
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(shape, dtype))
+    raw = buf.getvalue()
+    return raw[:len(raw) - dtype.itemsize * int(np.prod(shape))]
+
+
 class Decoder:
     """Turns encoded feature values into float32 arrays of the field's shape."""
 
@@ -79,13 +92,10 @@ class Decoder:
         self.name = feature["name"]
         self.shape = tuple(feature["shape"])
         self.codec = feature["codec"]
-        self.dtype = np.dtype({"bool": "bool_", "string": "str_"}.get(feature["dtype"], feature["dtype"]))
+        self.dtype = numpy_dtype(feature["dtype"])
         if self.codec == "ndarray":
-            buf = io.BytesIO()
-            np.save(buf, np.zeros(self.shape, self.dtype))
-            raw = buf.getvalue()
             self.body = self.dtype.itemsize * int(np.prod(self.shape))
-            self.header = np.frombuffer(raw[:len(raw) - self.body], dtype=np.uint8)
+            self.header = np.frombuffer(npy_header(self.dtype, self.shape), dtype=np.uint8)
 
     def decode(self, values: list[bytes] | Any, where: str) -> np.ndarray:
         n = len(values)

@@ -75,7 +75,7 @@ def _PixelEmbed(positions: int, hidden: int, num_classes: int, dropout: float) -
             super().__init__()
             self.values = fp32_embedding(256, hidden)
             self.positions = fp32_embedding(positions, hidden)
-            self.head = nn.Sequential(nn.Identity(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(),
+            self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(),
                                       nn.Linear(hidden, num_classes))
             self.register_buffer("index", torch.arange(positions), persistent=False)
 

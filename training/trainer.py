@@ -171,9 +171,8 @@ class Trainer:
         self.nvml = Nvml(self.dist.device.index if self.dist.device.type == "cuda" else None)
         torch.manual_seed(cfg.seed)
 
-        workers = cfg.loader_workers
         self.train_data = EpochLoader(Path(cfg.data_dir), fmt=cfg.data_format, rank=self.rank, world=self.dist.world,
-                                      seed=cfg.seed, workers=workers, prefetch=cfg.loader_prefetch,
+                                      seed=cfg.seed, workers=cfg.loader_workers, prefetch=cfg.loader_prefetch,
                                       wait_seconds=cfg.data_wait_seconds)
         self._val_data: Split | None = None  # loaded at the first evaluation: a staged cache may bring it later
         if tuple(self.train_data.decoder.shape) != tuple(cfg.input_shape):

@@ -26,8 +26,6 @@ from ballast.spec import DatasetSpec, FieldSpec
 
 SPLITS = ("train", "validation", "test")
 FORMAT_VERSION = 2
-_NUMPY = {"float32": "float32", "float64": "float64", "int32": "int32", "int64": "int64", "uint8": "uint8",
-          "bool": "bool_", "string": "str_"}
 
 
 def split_codes(row_ids: Any, *, validation: float, test: float, seed: int) -> Any:
@@ -60,12 +58,14 @@ def unischema(dataset: DatasetSpec) -> Any:
     from petastorm.unischema import Unischema, UnischemaField
     from pyspark.sql.types import LongType
 
+    from training.data import numpy_dtype
+
     f = dataset.features[0]
     codec = f.storage_codec
     if codec in ("png", "jpeg"):
         field = UnischemaField(f.name, np.uint8, tuple(f.shape), CompressedImageCodec(codec), False)
     elif codec == "ndarray":
-        field = UnischemaField(f.name, getattr(np, _NUMPY[f.type]), tuple(f.shape), NdarrayCodec(), False)
+        field = UnischemaField(f.name, numpy_dtype(f.type).type, tuple(f.shape), NdarrayCodec(), False)
     else:
         raise DataError(f"dataset.fields: feature {f.name!r} is a scalar; the packed format needs an array feature")
     label = UnischemaField(dataset.label, np.int64, (), ScalarCodec(LongType()), False)
@@ -108,9 +108,11 @@ def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int, drop: Any = 
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from training.data import numpy_dtype
+
     f = dataset.features[0]
     size = int(np.prod(f.shape))
-    dtype = np.dtype(_NUMPY[f.type])
+    dtype = numpy_dtype(f.type)
     try:
         pf = pq.ParquetFile(chunk.path)
         batches = pf.iter_batches(batch_size=batch_rows, row_groups=[chunk.row_group],
@@ -157,18 +159,13 @@ class FeatureEncoder:
     """Encodes feature arrays exactly as the field's Petastorm codec would, vectorised where possible."""
 
     def __init__(self, field: FieldSpec):
-        import numpy as np
+        from training.data import npy_header, numpy_dtype
 
         self.field = field
         self.codec = field.storage_codec
-        self.dtype = np.dtype(_NUMPY[field.type])
+        self.dtype = numpy_dtype(field.type)
         if self.codec == "ndarray":
-            import io
-
-            buf = io.BytesIO()
-            np.save(buf, np.zeros(field.shape, self.dtype))
-            raw = buf.getvalue()
-            self.header = raw[:len(raw) - self.dtype.itemsize * int(np.prod(field.shape))]
+            self.header = npy_header(self.dtype, tuple(field.shape))
 
     def encode(self, x: Any) -> Any:
         """A pyarrow binary array, one encoded value per row of x (n, *shape)."""

@@ -174,7 +174,7 @@ class S3Storage(Storage):
                               max_concurrency=self.transfer_concurrency)
 
     def _error(self, what: str, key: str, exc: Exception) -> StorageError:
-        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+        code = (getattr(exc, "response", None) or {}).get("Error", {}).get("Code", "")
         hint = {"NoSuchBucket": f"bucket {self.bucket!r} does not exist",
                 "404": "no such object", "NoSuchKey": "no such object", "NotFound": "no such object",
                 "InvalidAccessKeyId": "credentials refused", "SignatureDoesNotMatch": "credentials refused",
@@ -227,7 +227,8 @@ class S3Storage(Storage):
 
     def open_read(self, key: str, start: int = 0) -> BinaryIO:
         extra = {"Range": f"bytes={start}-"} if start else {}
-        return self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key), **extra)["Body"]
+        body = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key), **extra)["Body"]
+        return _Stream(body, lambda exc: self._error(f"read from byte {start}", key, exc))
 
     def size(self, key: str) -> int:
         return int(self._call("head", key, self.client.head_object, Bucket=self.bucket,
@@ -241,6 +242,24 @@ class S3Storage(Storage):
         for page in pages:
             for obj in page.get("Contents", []):
                 yield obj["Key"][strip:]
+
+
+class _Stream:
+    """An object body whose read errors (timeouts, connections dropped mid-object) are StorageErrors."""
+
+    def __init__(self, body, error):
+        self.body, self.error = body, error
+
+    def read(self, n: int = -1) -> bytes:
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            return self.body.read(n)
+        except BotoCoreError as exc:
+            raise self.error(exc) from exc
+
+    def close(self) -> None:
+        self.body.close()
 
 
 def _s3_connection_kwargs(conn_id: str | None) -> dict:

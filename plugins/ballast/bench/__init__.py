@@ -18,12 +18,8 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if name in ("convert", "read", "warmup"):
         from ballast.bench import data_plane
 
-        sizes = {k: v for k, v in (("rows", args.rows), ("samples", args.samples)) if v is not None}
-        fn = getattr(data_plane, f"bench_{name}")
-        import inspect
-
-        accepted = inspect.signature(fn).parameters
-        return fn(**{k: v for k, v in sizes.items() if k in accepted})
+        size = {"samples": args.samples} if name == "read" else {"rows": args.rows}
+        return getattr(data_plane, f"bench_{name}")(**{k: v for k, v in size.items() if v is not None})
     raise ValueError(f"unknown benchmark {name!r}")
 
 

@@ -56,7 +56,6 @@ def _child(kind: str, raw: str, out: str, formats: str) -> dict:
     import pyarrow.parquet as pq
 
     from ballast.packing import plan_chunks
-    from ballast.rawdata import raw_files  # noqa: F401  (same import cost as a real task)
     from ballast.stages.convert import convert_arrow, finish
 
     files = sorted(Path(raw).glob("*.parquet"))

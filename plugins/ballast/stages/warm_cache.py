@@ -98,6 +98,9 @@ def fetch(storage: Storage, key: str, dst: Path, entry: dict) -> int:
                     got += len(block)
                 out.flush()
                 os.fsync(out.fileno())
+        except OSError as exc:  # a full disk; a dropped connection comes from the storage as StorageError
+            raise StorageError(f"{storage.describe(key)}: download stopped after {start + got} of {entry['bytes']}"
+                               f" bytes ({exc}); a re-run resumes it") from exc
         finally:
             stream.close()
     if part.stat().st_size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
