@@ -22,6 +22,7 @@ from conftest import example_data
 from test_stages import make_ctx, run_chain, warm_cache_rest
 from training import checkpoint as ckpt
 from training.failure import EXIT_CODES
+from training.monitor import SpikeDetector
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +227,7 @@ def test_learning_rate_scales_linearly_with_global_batch():
 @pytest.mark.parametrize("action", ["alert", "rollback"])
 def test_loss_spike_alerts_and_rolls_back(tmp_path, cache, action):
     cfg = config(tmp_path, cache, epochs=2, faults=[{"kind": "spike", "step": 35}], spike_action=action,
-                 spike_window=20, checkpoint_every_steps=10)
+                 spike_window=20, checkpoint_every_steps=10, anomaly_checkpoint_min_steps=0)
     proc = run_single(cfg)
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -241,6 +242,33 @@ def test_loss_spike_alerts_and_rolls_back(tmp_path, cache, action):
     else:
         assert any(e["event"] == "checkpoint" and e["reason"] == "anomaly" and e["step"] == 34 for e in events)
         assert summary["skipped_batches"] == []
+
+
+def test_alert_storm_checkpoints_the_last_good_state_once(tmp_path, cache):
+    # Two unmistakable spikes 25 steps apart under alert (the first has left the 20-step window by the
+    # second): both raise an alert, only the first one saves.
+    cfg = config(tmp_path, cache, epochs=2, faults=[{"kind": "spike", "step": 35}, {"kind": "spike", "step": 60}],
+                 spike_window=20, anomaly_checkpoint_min_steps=100)
+    proc = run_single(cfg)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    alerted = {e["step"] for e in events if e["event"] == "anomaly" and e["kind"] == "loss_spike"}
+    assert {34, 59} <= alerted
+    saved = [e["step"] for e in events if e["event"] == "checkpoint" and e["reason"] == "anomaly"]
+    assert saved == [34]
+
+
+def test_spike_detector_only_looks_and_a_kept_level_stops_alerting():
+    det = SpikeDetector(window=20, zscore=3.0)
+    for i in range(20):
+        det.add(1.0 + 0.01 * (i % 3))
+    assert det.check(5.0) > 3.0 and det.check(5.0) > 3.0  # check does not move the window
+    alerts = 0
+    for _ in range(40):  # the loss settles at a new level that training keeps: alerts stop
+        if det.check(5.0) is not None:
+            alerts += 1
+        det.add(5.0)
+    assert 0 < alerts < 20 and det.check(5.0) is None
 
 
 def test_prometheus_endpoint_serves_training_metrics(tmp_path, cache):

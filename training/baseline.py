@@ -41,7 +41,9 @@ def main() -> None:
     for epoch in range(cfg.epochs):
         steps = data.samples_per_rank // per_step
         t0 = time.monotonic()
-        for x, y in data.batches(epoch, batch=per_step):
+        # The same window as the trainer's: `steps` full batches, the clock stopped before the loader's
+        # leftover rows and worker shutdown.
+        for _, (x, y) in zip(range(steps), data.batches(epoch, batch=per_step)):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)

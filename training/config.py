@@ -70,6 +70,7 @@ class RunConfig:
     spike_window: int = 50
     spike_action: str = "alert"
     stats_every_steps: int = 50
+    anomaly_checkpoint_min_steps: int = 100
     hang_timeout_seconds: float = 1800.0
     preempt_grace_seconds: float = 60.0
     # resources and metrics
@@ -92,6 +93,8 @@ class RunConfig:
                 raise ConfigError(f"{name}: must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ConfigError(f"gpu_memory_fraction: must be in (0, 1] (got {self.gpu_memory_fraction})")
+        if self.anomaly_checkpoint_min_steps < 0:
+            raise ConfigError(f"anomaly_checkpoint_min_steps: must be >= 0 (got {self.anomaly_checkpoint_min_steps})")
         for name in ("micro_batch_size", "grad_accum_steps", "epochs", "keep_last", "patience", "spike_window",
                      "stats_every_steps", "lr_plateau_patience", "loss_scale_growth_interval"):
             if getattr(self, name) < 1:

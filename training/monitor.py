@@ -16,7 +16,12 @@ from typing import Any, Callable
 
 
 class SpikeDetector:
-    """Flags a loss more than `zscore` standard deviations above the mean of the trailing window."""
+    """Flags a loss more than `zscore` standard deviations above the mean of the trailing window.
+
+    `check` only looks; the caller decides what enters the window with `add`: a spike that training
+    keeps (alert) enters it, so that a lasting change of level stops alerting once the window has seen
+    it; a spike that is rolled back or skipped does not.
+    """
 
     def __init__(self, *, window: int = 50, zscore: float = 3.0, min_points: int = 10):
         self.window: deque[float] = deque(maxlen=window)
@@ -24,7 +29,7 @@ class SpikeDetector:
         self.min_points = min_points
 
     def check(self, loss: float) -> float | None:
-        """The z-score if `loss` is a spike (then it is not added to the window), else None."""
+        """The z-score if `loss` is a spike, else None."""
         if len(self.window) >= self.min_points:
             mean = sum(self.window) / len(self.window)
             var = sum((x - mean) ** 2 for x in self.window) / (len(self.window) - 1)
@@ -33,8 +38,10 @@ class SpikeDetector:
                 z = (loss - mean) / std
                 if z > self.zscore:
                     return z
-        self.window.append(loss)
         return None
+
+    def add(self, loss: float) -> None:
+        self.window.append(loss)
 
     def state(self) -> list[float]:
         return list(self.window)
@@ -112,6 +119,7 @@ class Metrics:
         self.events_path = out_dir / "metrics.jsonl"
         self.port = None
         self._g: dict[str, Any] = {}
+        self._children: dict[tuple, Any] = {}
         if port is not None:
             from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -134,17 +142,27 @@ class Metrics:
             start_http_server(port + rank, addr="127.0.0.1", registry=self.registry)
             self.port = port + rank
 
+    def _child(self, name: str, **labels: str):
+        """The labelled gauge, looked up once (labels() takes a lock and builds a key on every call)."""
+        key = (name, *labels.values())
+        child = self._children.get(key)
+        if child is None and name in self._g:
+            child = self._children[key] = self._g[name].labels(rank=str(self.rank), **labels)
+        return child
+
     def set(self, **values: float) -> None:
+        if not self._g:
+            return
         for name, value in values.items():
-            g = self._g.get(name)
-            if g is not None and value is not None:
-                g.labels(rank=str(self.rank)).set(value)
+            child = self._child(name)
+            if child is not None and value is not None:
+                child.set(value)
 
     def phases(self, **seconds: float) -> None:
-        g = self._g.get("step_seconds")
-        if g is not None:
-            for phase, value in seconds.items():
-                g.labels(rank=str(self.rank), phase=phase).set(value)
+        if not self._g:
+            return
+        for phase, value in seconds.items():
+            self._child("step_seconds", phase=phase).set(value)
 
     def anomaly(self, kind: str) -> None:
         c = self._g.get("anomalies")

@@ -5,14 +5,15 @@ keeps a run alive, step by step:
 
 * resume from the newest committed checkpoint (exact: weights, optimizer, loss scaler, LR schedule,
   data position, RNG of every rank, monitor state);
-* one small all-reduce per step carries the global loss and the flags every rank must agree on
-  (non-finite values, preemption, a time-based checkpoint being due), so ranks never diverge in
-  their decisions;
+* one small all-reduce per step, started before backward and overlapping with it, carries the
+  global loss and the flags every rank must agree on (preemption, a time-based checkpoint being due,
+  the time budget), so ranks never diverge in their decisions; the gradient norm, the same on every
+  rank after the gradient all-reduce, tells whether the gradients are finite;
 * non-finite loss or gradients: the pre-step (last good) state is checkpointed with the offending
   batch on a skip list, and the process exits with the divergence code; the next try skips it;
 * a loss spike (z-score over a trailing window): an alert event, and with `spike_action: rollback`
   a return to the last committed checkpoint with the batch skipped; otherwise the last good state is
-  checkpointed at once;
+  checkpointed at once (at most once per `anomaly_checkpoint_min_steps`);
 * SIGTERM (preemption): a synchronous checkpoint within the grace period, then the preempted code;
 * a watchdog ends a process that makes no progress for the hang timeout, after dumping stacks.
 """
@@ -28,7 +29,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from training import checkpoint as ckpt
 from training.config import RunConfig
@@ -89,14 +90,24 @@ class _Dist:
             dist.barrier(group=self.ckpt_group)
 
     def all_sum(self, values: list[float]) -> list[float]:
+        return self.all_sum_async(values)()
+
+    def all_sum_async(self, values) -> Callable[[], list[float]]:
+        """Start summing `values` (floats, or a float64 tensor on the device) over ranks; the returned
+        function waits for the result. Issued early, it overlaps with the rest of the step."""
         import torch
 
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.enabled:
-            import torch.distributed as dist
+        t = values if torch.is_tensor(values) else torch.tensor(values, dtype=torch.float64, device=self.device)
+        if not self.enabled:
+            return t.tolist
+        import torch.distributed as dist
 
-            dist.all_reduce(t)
-        return t.tolist()
+        work = dist.all_reduce(t, async_op=True)
+
+        def result() -> list[float]:
+            work.wait()
+            return t.tolist()
+        return result
 
     def close(self) -> None:
         if self.enabled:
@@ -154,6 +165,8 @@ class Trainer:
         self._rollbacks: dict[str, int] = {}       # checkpoint name -> rollbacks to it in this process
         self.preempt_at: float | None = None
         self._last_save = time.monotonic()
+        self._slow_at = 0.0          # last heartbeat-file write and slow-gauge read
+        self._anomaly_save_step: int | None = None
         self.train_seconds = 0.0  # time inside the step loop (no evaluation, no end-of-epoch save)
         self.samples = 0
         self._resumed_at: float | None = None
@@ -246,8 +259,16 @@ class Trainer:
         if self.rank == 0:
             print(f"[train] {msg}", flush=True)
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, force: bool = True) -> None:
+        """Progress for the watchdog (every step) and, at most once a second unless forced, for the
+        outside: the heartbeat file the orchestrator watches and the slower gauges (process memory from
+        /proc, NVML), which cost more than a step's other bookkeeping together."""
         self.watchdog.beat()
+        now = time.monotonic()
+        if not force and now - self._slow_at < 1.0:
+            return
+        self._slow_at = now
+        self.metrics.set(memory_bytes=memory_bytes(self.dist.device), **self.nvml.read())
         if self.rank == 0:  # "<step> <unix time>", replaced atomically so readers never see it half written
             tmp = self.out / ".heartbeat.tmp"
             tmp.write_text(f"{self.step} {time.time()}\n")
@@ -418,34 +439,47 @@ class Trainer:
                        for i in range(cfg.grad_accum_steps)]
             t1 = time.monotonic()
             factor = self.faults.loss_factor(self.step + 1)
-            local_loss = 0.0
+            local_loss = None
             for micro, (x, y) in enumerate(batches):
                 last = micro == cfg.grad_accum_steps - 1
                 sync = contextlib.nullcontext() if last or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel) \
                     else self.model.no_sync()
                 with sync:
                     loss = self._forward_loss(x, y, factor) / cfg.grad_accum_steps
+                    part = loss.detach().double().reshape(1)
+                    local_loss = part if local_loss is None else local_loss + part
+                    if last:
+                        # What every rank must agree on, summed while backward and clipping run: the loss
+                        # (a non-finite one on any rank makes the sum non-finite), preemption, a time-based
+                        # checkpoint being due, the time budget being spent.
+                        now = time.monotonic()
+                        host = torch.tensor([float(self.preempt_at is not None),
+                                             float(now - self._last_save >= cfg.checkpoint_every_seconds),
+                                             float(cfg.max_seconds is not None and now - self._started >= cfg.max_seconds)],
+                                            dtype=torch.float64)
+                        agreed = self.dist.all_sum_async(torch.cat([local_loss, host.to(self.dist.device)]))
                     self.scaler.scale(loss).backward()
-                local_loss += float(loss.detach())
             t2 = time.monotonic()
             self.scaler.unscale_(self.opt)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip_norm)
+            # Gradients are the same on every rank after the all-reduce (under FSDP the norm is reduced),
+            # so the norm, and whether it is finite, is already agreed.
             gnorm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP
-            nonfinite = not (math.isfinite(local_loss) and math.isfinite(gnorm))
-            due = time.monotonic() - self._last_save >= cfg.checkpoint_every_seconds
-            flags = self.dist.all_sum([local_loss if math.isfinite(local_loss) else 0.0, float(nonfinite),
-                                       float(self.preempt_at is not None), float(due)])
-            loss_global = flags[0] / self.dist.world
-            if flags[1] and not self.scaler.is_enabled():
+            loss_sum, preempted, due, limit = agreed()
+            loss_global = loss_sum / self.dist.world
+            nonfinite = not (math.isfinite(loss_global) and math.isfinite(gnorm))
+            if nonfinite and not self.scaler.is_enabled():
                 self._diverged(gnorm)
             if self.step % cfg.stats_every_steps == 0 and self.rank == 0:
                 self.metrics.event("grad_stats", self.step, grad_norm=gnorm, **grad_stats(self.raw_model.parameters()))
-            z = self.spikes.check(loss_global) if not flags[1] else None
+            z = self.spikes.check(loss_global) if not nonfinite else None
             if z is not None:
                 self._anomaly("loss_spike", loss=loss_global, zscore=round(z, 2), action=cfg.spike_action)
                 if cfg.spike_action == "rollback" and self._rollback():
                     continue
-                self.save("anomaly", asynchronous=False)  # the last good state: before this step applies
+                self._anomaly_checkpoint()  # the last good state: before this step applies
+            if not nonfinite:
+                self.spikes.add(loss_global)
             self.scaler.step(self.opt)
             self.scaler.update()
             self.opt.zero_grad(set_to_none=True)
@@ -453,26 +487,24 @@ class Trainer:
             self.step += 1
             self.pos += 1
             trained += 1
-            self.heartbeat()
+            self.heartbeat(force=False)
             self.metrics.phases(data=t1 - t0, compute=t2 - t1, communication_optimizer=t3 - t2)
             self.metrics.set(step=self.step, loss=loss_global, grad_norm=gnorm, loss_scale=self.scaler.get_scale(),
-                             learning_rate=self.opt.param_groups[0]["lr"], memory_bytes=memory_bytes(self.dist.device),
-                             samples_per_second=per_step * self.dist.world / max(t3 - t0, 1e-9), **self.nvml.read())
+                             learning_rate=self.opt.param_groups[0]["lr"],
+                             samples_per_second=per_step * self.dist.world / max(t3 - t0, 1e-9))
             if self._resumed_at is not None:
                 self.metrics.event("first_step_after_resume", self.step, seconds=time.monotonic() - self._resumed_at)
                 self._resumed_at = None
             if self.step % 10 == 0:
                 self.metrics.event("step", self.step, epoch=self.epoch, loss=loss_global, grad_norm=gnorm,
                                    data_s=round(t1 - t0, 6), compute_s=round(t2 - t1, 6), comm_opt_s=round(t3 - t2, 6))
-            if flags[2]:
+            if preempted:
                 self.saver.wait()
                 self.save("preempted", asynchronous=False)
                 raise Preempted(f"SIGTERM received; checkpoint committed at step {self.step}")
-            if (cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0) or flags[3]:
+            if (cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0) or due:
                 self.save("interval")
-            if (cfg.max_steps is not None and self.step >= cfg.max_steps) or \
-                    (cfg.max_seconds is not None and self.dist.all_sum(
-                        [float(time.monotonic() - self._started >= cfg.max_seconds)])[0] > 0):
+            if (cfg.max_steps is not None and self.step >= cfg.max_steps) or limit:
                 self.limit_reached = True
                 break
         seconds = time.monotonic() - t_epoch
@@ -483,6 +515,16 @@ class Trainer:
         self.log(f"epoch {self.epoch + 1}/{cfg.epochs}: {trained} steps in {seconds:.2f}s, {rate:.0f} samples/s,"
                  f" ETA {left:.0f}s at most (early stopping may end sooner)")
         return True
+
+    def _anomaly_checkpoint(self) -> None:
+        """Checkpoint the current (pre-step, last good) state after an anomaly, at most once per
+        `anomaly_checkpoint_min_steps`: a storm of alerts must not become a storm of saves. Written in
+        the background like any save: training waits only for the snapshot."""
+        every = self.cfg.anomaly_checkpoint_min_steps
+        if self._anomaly_save_step is not None and every and self.step - self._anomaly_save_step < every:
+            return
+        self._anomaly_save_step = self.step
+        self.save("anomaly")
 
     def _diverged(self, gnorm: float) -> None:
         """Non-finite loss or gradients on some rank: keep the last good state and skip the batch next time."""

@@ -50,6 +50,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         "lr_plateau_patience": t.lr_plateau.patience, "lr_plateau_factor": t.lr_plateau.factor,
         "spike_zscore": t.monitors.spike_zscore, "spike_window": t.monitors.spike_window,
         "spike_action": t.monitors.spike_action, "stats_every_steps": t.monitors.stats_every_steps,
+        "anomaly_checkpoint_min_steps": t.monitors.anomaly_checkpoint_min_steps,
         "hang_timeout_seconds": spec.execution.hang_timeout_seconds,
         "preempt_grace_seconds": spec.recovery.preempt_grace_seconds,
         "gpu_memory_fraction": t.gpu_memory_fraction, "cpu_reserve_fraction": t.cpu_reserve_fraction,

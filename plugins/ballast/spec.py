@@ -264,9 +264,13 @@ class MonitorSpec(_Model):
     spike_window: int = Field(50, ge=5, le=100_000)
     """Steps in the trailing window of the spike detector."""
     spike_action: Literal["alert", "rollback"] = "alert"
-    """alert: an event and an immediate checkpoint; rollback: back to the last checkpoint, batch skipped."""
+    """alert: an event and an immediate checkpoint (see anomaly_checkpoint_min_steps); rollback: back to the
+    last checkpoint, batch skipped."""
     stats_every_steps: int = Field(50, ge=1)
     """Gradient norm and histogram statistics every N steps."""
+    anomaly_checkpoint_min_steps: int = Field(100, ge=0)
+    """An anomaly (a loss spike under alert) checkpoints the last good state, at most once per this
+    many steps so that a storm of alerts does not become a storm of saves; 0: after every anomaly."""
 
 
 class TrainingSpec(_Model):

@@ -81,7 +81,7 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def bench_overhead(*, repeat: int = 5, epochs: int = 2) -> dict:
+def bench_overhead(*, repeat: int = 5, epochs: int = 6) -> dict:
     def edit(d):
         d["training"].update(model="mlp", hidden_size=1024, micro_batch_size=128, global_batch_size=256,
                              processes_per_node=2, epochs=epochs, checkpoint={"every_seconds": 1e9})
