@@ -42,14 +42,16 @@ def main() -> None:
         steps = data.samples_per_rank // per_step
         t0 = time.monotonic()
         # The same window as the trainer's: `steps` full batches, the clock stopped before the loader's
-        # leftover rows and worker shutdown.
-        for _, (x, y) in zip(range(steps), data.batches(epoch, batch=per_step)):
+        # leftover rows and its workers' shutdown (held off by keeping `batches` alive until then).
+        batches = data.batches(epoch, batch=per_step)
+        for _, (x, y) in zip(range(steps), batches):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
         seconds += time.monotonic() - t0
+        del batches
         samples += steps * per_step * world
     if rank == 0:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)

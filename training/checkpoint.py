@@ -125,15 +125,26 @@ def load_tensors(path: Path) -> Any:
 
 
 class _HashingWriter:
-    """A binary file wrapper that keeps a sha256 and a byte count of what goes through it."""
+    """A binary file wrapper that keeps a sha256 and a byte count of what goes through it.
+
+    torch.save hands over each tensor's storage as one buffer (hundreds of MB for a large layer):
+    it is hashed and written a slice at a time, so each slice is written while it is still in the
+    CPU cache from hashing instead of being read from memory twice.
+    """
+
+    SLICE = 4 << 20
 
     def __init__(self, fh):
         self.fh, self.digest, self.size = fh, hashlib.sha256(), 0
 
     def write(self, data) -> int:
-        self.digest.update(data)
-        self.size += len(data) if not isinstance(data, memoryview) else data.nbytes
-        return self.fh.write(data)
+        view = memoryview(data).cast("B")
+        for at in range(0, view.nbytes, self.SLICE):
+            part = view[at:at + self.SLICE]
+            self.digest.update(part)
+            self.fh.write(part)
+        self.size += view.nbytes
+        return view.nbytes
 
     def flush(self) -> None:
         self.fh.flush()
