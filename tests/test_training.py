@@ -53,6 +53,12 @@ def test_torchrun_two_processes_train_and_commit_checkpoints(tmp_path, digits_ca
         ckpt.verify(path)
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {e["event"] for e in events} >= {"step", "epoch", "checkpoint"}
+    # Each rank wrote a share of the (replicated) optimizer state; rank 0's share counts the model.
+    newest = done[-1]
+    sizes = {p.name: p.stat().st_size for p in newest.glob("*.pt")}
+    assert {"model.pt", "optim-part0.pt", "optim-part1.pt", "rng-rank0.pt", "rng-rank1.pt"} <= set(sizes)
+    rank0, rank1 = sizes["model.pt"] + sizes["optim-part0.pt"], sizes["optim-part1.pt"]
+    assert 0.5 < rank0 / rank1 < 2.0, sizes
 
 
 def test_resume_from_committed_checkpoint_matches_an_uninterrupted_run(tmp_path, digits_cache):
@@ -297,3 +303,30 @@ def test_checkpoint_files_are_hashed_while_written(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="refusing to commit"):
         w.commit()
     assert ckpt.latest_valid(tmp_path).name == final.name
+
+
+def test_optimizer_state_split_over_ranks_merges_back(tmp_path):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    shares = ckpt.optimizer_shares(sd, 3, rank0_bytes=10_000)
+    assert sorted(k for share in shares for k in share) == sorted(sd["state"])  # each parameter exactly once
+    assert shares == ckpt.optimizer_shares(opt.state_dict(), 3, rank0_bytes=10_000)  # the same on every rank
+    assert shares[0] == []  # rank 0 already writes the (larger) model
+    w = ckpt.Writer(tmp_path, 1, rank=0, barrier=lambda: None)
+    w.begin()
+    for r, share in enumerate(shares):
+        w.write_tensors(f"optim-part{r}.pt", ckpt.optimizer_part(sd, share, first=r == 0), zip_crc=False)
+    path = w.commit()
+    merged = ckpt.load_optimizer(path, 3)
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(merged)
+    for k, v in sd["state"].items():
+        assert torch.equal(fresh.state_dict()["state"][k]["exp_avg_sq"], v["exp_avg_sq"])
+    (path / "optim-part2.pt").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="optim-part2.pt: missing; .* in 3 parts"):
+        ckpt.load_optimizer(path, 3)

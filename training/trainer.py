@@ -309,9 +309,19 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
         tensors: dict[str, Any] = {f"rng-rank{self.rank}.pt": self.snapshot.copy(rng, ("rng",))}
         jsons: dict[str, Any] = {}
+        if self.cfg.parallelism == "fsdp" and self.dist.enabled:
+            parts = 1  # the gathered full state is on rank 0 only
+            if self.rank == 0:
+                tensors["optim-part0.pt"] = self.snapshot.copy(optim_sd, ("optim",))
+        else:
+            # Every rank holds the same optimizer state: each snapshots and writes its share.
+            parts = self.dist.world
+            model_bytes = sum(t.numel() * t.element_size() for t in model_sd.values())
+            mine = ckpt.optimizer_shares(optim_sd, parts, rank0_bytes=model_bytes)[self.rank]
+            tensors[f"optim-part{self.rank}.pt"] = self.snapshot.copy(
+                ckpt.optimizer_part(optim_sd, mine, first=self.rank == 0), ("optim",))
         if self.rank == 0:
             tensors["model.pt"] = self.snapshot.copy(model_sd, ("model",))
-            tensors["optim.pt"] = self.snapshot.copy(optim_sd, ("optim",))
             tensors["scaler.pt"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()
                                     if isinstance(v, (int, float))}
             jsons["trainer.json"] = {
@@ -320,7 +330,8 @@ class Trainer:
                 "skip": sorted(self.skip), "spike_window": self.spikes.state(),
                 "lr_schedule": self.sched.state_dict(),
                 "model": self.cfg.model, "input_shape": self.cfg.input_shape, "num_classes": self.cfg.num_classes,
-                "hidden_size": self.cfg.hidden_size, "parallelism": self.cfg.parallelism, "reason": reason}
+                "hidden_size": self.cfg.hidden_size, "parallelism": self.cfg.parallelism, "reason": reason,
+                "optim_parts": parts}
         keep = {self.best["step"]} if self.best else set()
         use_async = self.cfg.checkpoint_async if asynchronous is None else asynchronous
         self.saver.save(self.step, tensors, jsons, keep=keep, asynchronous=use_async)
@@ -351,7 +362,11 @@ class Trainer:
             model_sd = ckpt.average(recent)
             self.log(f"resuming from the average of {len(recent)} checkpoints: {', '.join(p.name for p in recent)}")
         try:
-            self._load_model_state(model_sd, ckpt.load_tensors(path / "optim.pt"))
+            parts = state.get("optim_parts")
+            if not isinstance(parts, int) or parts < 1:
+                raise ckpt.CheckpointError(f"{path / 'trainer.json'}: optim_parts is {parts!r}, expected the number"
+                                           f" of optimizer state files (optim-part<R>.pt); refusing to resume")
+            self._load_model_state(model_sd, ckpt.load_optimizer(path, parts))
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ckpt.CheckpointError(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
         scaler = ckpt.load_tensors(path / "scaler.pt")
