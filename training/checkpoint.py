@@ -179,40 +179,102 @@ def load_tensors(path: Path) -> Any:
         raise CheckpointError(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc
 
 
-class _HashingWriter:
-    """A binary file wrapper that keeps a sha256 and a byte count of what goes through it.
+class _FileWriter:
+    """Writes one checkpoint file, hashing (sha256) and counting what goes through it.
 
-    torch.save hands over each tensor's storage as one buffer (hundreds of MB for a large layer):
-    it is hashed and written a slice at a time, so each slice is written while it is still in the
-    CPU cache from hashing instead of being read from memory twice.
+    The bytes go through a reused, page-aligned staging buffer and reach the file with O_DIRECT where
+    the filesystem takes it: a checkpoint of ~1 GB then neither allocates ~1 GB of page cache (on a
+    small VM here, the first buffered write of 0.55 GB cost 1.3 s of kernel time against 0.01 s direct)
+    nor pushes the data shards a staged cache keeps warm out of it. Each staged slice is hashed while it
+    is in the CPU cache. Where O_DIRECT is refused (tmpfs, some network filesystems, macOS) the same
+    slices go through ordinary buffered writes. The file is fsynced at close.
     """
 
-    SLICE = 4 << 20
+    BLOCK = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
 
-    def __init__(self, fh):
-        self.fh, self.digest, self.size = fh, hashlib.sha256(), 0
+    def __init__(self, path: Path, staging: Any, *, direct: bool = True):
+        self.path = path
+        self.view = memoryview(staging)
+        self.digest, self.size, self.pos, self.written = hashlib.sha256(), 0, 0, 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = False
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError:
+                pass
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        for at in range(0, view.nbytes, self.SLICE):
-            part = view[at:at + self.SLICE]
-            self.digest.update(part)
-            self.fh.write(part)
-        self.size += view.nbytes
-        return view.nbytes
+        src = memoryview(data).cast("B")
+        n, at = src.nbytes, 0
+        while at < n:
+            k = min(n - at, len(self.view) - self.pos)
+            self.view[self.pos:self.pos + k] = src[at:at + k]
+            self.pos += k
+            at += k
+            if self.pos == len(self.view):
+                self._drain(self.pos)
+        self.size += n
+        return n
 
     def flush(self) -> None:
-        self.fh.flush()
+        pass  # torch.save flushes; the staging buffer is drained in whole blocks, the rest at close
+
+    def _drain(self, length: int) -> None:
+        self.digest.update(self.view[:length])
+        end = length
+        if self.direct and length % self.BLOCK:  # the last slice: zero-padded, the file truncated after
+            end = -(-length // self.BLOCK) * self.BLOCK
+            self.view[length:end] = bytes(end - length)
+        out = self.view[:end]
+        while out.nbytes:
+            try:
+                done = os.write(self.fd, out)
+            except OSError:
+                if not self.direct or self.written:
+                    raise
+                # Accepted at open, refused at the first write (some FUSE and network filesystems):
+                # nothing is on disk yet, so start again with buffered writes.
+                os.close(self.fd)
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self.direct = False
+                out = self.view[:length]
+                continue
+            out = out[done:]
+            self.written += done
+        self.pos = 0
+
+    def close(self) -> None:
+        try:
+            if self.pos:
+                self._drain(self.pos)
+            if self.direct:
+                os.ftruncate(self.fd, self.size)
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+def staging_buffer(size: int = 8 << 20) -> Any:
+    """A page-aligned buffer (anonymous mmap) for _FileWriter; keep one per saver and reuse it."""
+    import mmap
+
+    return mmap.mmap(-1, size)
 
 
 class Writer:
     """Writes one checkpoint cooperatively from every rank (call the methods on all ranks in order)."""
 
-    def __init__(self, root: Path, step: int, *, rank: int, barrier):
+    def __init__(self, root: Path, step: int, *, rank: int, barrier, staging: Any = None, direct: bool = True):
         self.root = Path(root)
         self.step = step
         self.rank = rank
         self.barrier = barrier
+        self.staging = staging if staging is not None else staging_buffer()
+        self.direct = direct
         self.final = self.root / step_dir_name(step)
         self.tmp = self.root / f".{step_dir_name(step)}.tmp"
 
@@ -242,12 +304,13 @@ class Writer:
     def _open(self, name: str):
         """A file in the checkpoint, hashed while it is written (commit needs no second read of it);
         the digest goes to a sidecar that commit folds into the manifest and removes."""
-        path = self.tmp / name
-        with open(path, "wb") as fh:
-            out = _HashingWriter(fh)
+        out = _FileWriter(self.tmp / name, self.staging, direct=self.direct)
+        try:
             yield out
-            fh.flush()
-            os.fsync(fh.fileno())
+        except BaseException:
+            os.close(out.fd)
+            raise
+        out.close()
         (self.tmp / f".{name}.sha256").write_text(f"{out.digest.hexdigest()} {out.size}\n")
 
     def commit(self) -> Path:
@@ -310,6 +373,7 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self.last_path: Path | None = None
         self.last_write_seconds = 0.0
+        self._staging = staging_buffer()  # one save at a time: the writer's staging buffer is reused
 
     def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
              asynchronous: bool = True) -> None:
@@ -325,7 +389,7 @@ class AsyncSaver:
     def _write(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], keep: set[int]) -> None:
         t0 = time.monotonic()
         try:
-            w = Writer(self.root, step, rank=self.rank, barrier=self.barrier)
+            w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self._staging)
             w.begin()
             for name, obj in tensors.items():
                 w.write_tensors(name, obj, zip_crc=name == "model.pt")
