@@ -374,3 +374,35 @@ def test_checkpoint_files_written_direct_or_buffered_are_torch_save_bytes(tmp_pa
     ckpt.verify(path)  # the digest taken while writing matches the bytes on disk
     if hasattr(os, "O_DIRECT"):
         assert seen["direct"] >= 1
+
+
+def test_forked_loader_worker_drops_the_ranks_tcp_sockets():
+    # A loader worker holding copies of a rank's gloo sockets kept a SIGKILLed rank's connections open
+    # until the worker noticed the death (5 s), and the surviving ranks waited that long to fail.
+    import os
+    import socket
+
+    from training import data
+
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen()
+    unix_a, unix_b = socket.socketpair()  # what loader queues are made of: kept
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        data._drop_inherited_sockets(0)
+        alive = ""
+        for fd in (tcp.fileno(), unix_a.fileno(), w):
+            try:
+                os.fstat(fd)
+                alive += "1"
+            except OSError:
+                alive += "0"
+        os.write(w, alive.encode())
+        os._exit(0)
+    os.close(w)
+    out = os.read(r, 10)
+    os.waitpid(pid, 0)
+    tcp.close(), unix_a.close(), unix_b.close(), os.close(r)
+    assert out == b"011"

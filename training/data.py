@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,6 +251,27 @@ def skip_samples(spans: list[tuple[int, np.ndarray]], start: int) -> list[tuple[
     return out
 
 
+def _drop_inherited_sockets(_worker_id: int) -> None:
+    """In a forked loader worker: close its copies of the rank's TCP sockets (gloo, the rendezvous store,
+    the metrics endpoint). The worker talks to the rank through pipes only, and it ends with os._exit,
+    so nothing in it uses or later closes these descriptors."""
+    import socket
+    import stat
+
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+            family = sock.family
+            sock.detach()
+        except OSError:
+            continue
+        if family in (socket.AF_INET, socket.AF_INET6):
+            os.close(fd)
+
+
 class EpochLoader:
     """Per-rank batches of the train split for an epoch, from any sample position, via a DataLoader."""
 
@@ -282,8 +305,16 @@ class EpochLoader:
         workers = min(self.workers, len(spans))
         # Its own generator: creating the loader must not draw from torch's global RNG, or a run resumed
         # mid-epoch (loader created at the resume point) would see other dropout masks than the original.
+        # Workers forked from this rank (Linux's default, stated because python -m training.launch starts
+        # ranks from a forkserver, whose context they would otherwise inherit): forked, they start with
+        # the readers imported, and as the rank's own children they notice when it dies and exit. Started
+        # by the forkserver, they outlived a killed rank and held torchrun's output open. A forked worker
+        # drops its copies of the rank's network sockets first: holding them, it kept a SIGKILLed rank's
+        # gloo connections open until it noticed the death (5 s), and the other ranks waited that long.
+        context = "fork" if sys.platform == "linux" and workers else None
         loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                            prefetch_factor=self.prefetch if workers else None,
+                            prefetch_factor=self.prefetch if workers else None, multiprocessing_context=context,
+                            worker_init_fn=_drop_inherited_sockets if context == "fork" else None,
                             generator=torch.Generator().manual_seed(self.seed + epoch))
         xs, ys, have = [], [], 0
         for x, y in loader:
