@@ -192,13 +192,13 @@ class _FileWriter:
 
     BLOCK = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
 
-    def __init__(self, path: Path, staging: Any, *, direct: bool = True):
+    def __init__(self, path: Path, staging: Any):
         self.path = path
         self.view = memoryview(staging)
         self.digest, self.size, self.pos, self.written = hashlib.sha256(), 0, 0, 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = False
-        if direct and hasattr(os, "O_DIRECT"):
+        if hasattr(os, "O_DIRECT"):
             try:
                 self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
                 self.direct = True
@@ -268,13 +268,12 @@ def staging_buffer(size: int = 8 << 20) -> Any:
 class Writer:
     """Writes one checkpoint cooperatively from every rank (call the methods on all ranks in order)."""
 
-    def __init__(self, root: Path, step: int, *, rank: int, barrier, staging: Any = None, direct: bool = True):
+    def __init__(self, root: Path, step: int, *, rank: int, barrier, staging: Any = None):
         self.root = Path(root)
         self.step = step
         self.rank = rank
         self.barrier = barrier
         self.staging = staging if staging is not None else staging_buffer()
-        self.direct = direct
         self.final = self.root / step_dir_name(step)
         self.tmp = self.root / f".{step_dir_name(step)}.tmp"
 
@@ -304,7 +303,7 @@ class Writer:
     def _open(self, name: str):
         """A file in the checkpoint, hashed while it is written (commit needs no second read of it);
         the digest goes to a sidecar that commit folds into the manifest and removes."""
-        out = _FileWriter(self.tmp / name, self.staging, direct=self.direct)
+        out = _FileWriter(self.tmp / name, self.staging)
         try:
             yield out
         except BaseException:
