@@ -22,7 +22,7 @@ from conftest import example_data
 from test_stages import make_ctx, run_chain, warm_cache_rest
 from training import checkpoint as ckpt
 from training.failure import EXIT_CODES
-from training.monitor import SpikeDetector
+from training.monitor import SpikeDetector, grad_stats
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +269,40 @@ def test_spike_detector_only_looks_and_a_kept_level_stops_alerting():
             alerts += 1
         det.add(5.0)
     assert 0 < alerts < 20 and det.check(5.0) is None
+
+
+def test_gradient_statistics_count_every_entry_by_power_of_two():
+    import math
+
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    specials = torch.tensor([0.0, -0.0, 1e-40, -3e-42, float("nan"), float("inf"), -float("inf"), 1e30, 2.0 ** -40,
+                             2.0 ** 7, 0.75, -1.0])
+    grads = [torch.cat([torch.randn(5000, generator=gen) * 10.0 ** float(k), specials]) for k in range(-8, 3)]
+    grads.append(torch.randn(300, generator=gen).to(torch.bfloat16))  # converted to float32 for the bins
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g
+        params.append(p)
+    params.append(torch.nn.Parameter(torch.zeros(3)))  # no gradient: skipped
+    stats = grad_stats(params, lo=-40, hi=8, chunk=777)  # chunks that do not divide the tensors
+
+    every = torch.cat([g.float() for g in grads])
+    finite = every[torch.isfinite(every)]
+    nonzero = finite[finite != 0]
+    expected = [0] * 48
+    for v in nonzero.abs().tolist():
+        expected[min(max(math.floor(math.log2(v)), -40), 7) + 40] += 1
+    assert stats["histogram_log2_abs"] == expected and stats["range_log2"] == [-40, 8]
+    assert sum(expected) + stats["nonfinite"] + stats["zero_fraction"] * every.numel() == pytest.approx(every.numel())
+    assert stats["nonfinite"] == 3 * 11
+    assert stats["zero_fraction"] == pytest.approx(2 * 11 / every.numel())
+    assert stats["denormal_fraction"] == pytest.approx(2 * 11 / every.numel())
+    assert stats["max_abs"] == pytest.approx(1e30)
+    json.dumps(stats, allow_nan=False)  # finite JSON even with NaN/Inf gradients
+    assert grad_stats([torch.nn.Parameter(torch.zeros(2))]) == {}
 
 
 def test_prometheus_endpoint_serves_training_metrics(tmp_path, cache):

