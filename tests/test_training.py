@@ -342,11 +342,27 @@ def test_checkpoint_files_written_direct_or_buffered_are_torch_save_bytes(tmp_pa
 
     import torch
 
-    state = {"a": torch.randn(1000, 77), "b": torch.arange(5)}
+    import mmap
+
+    from torch.utils.serialization import config
+
+    # "c" lives in page-aligned memory, as the trainer's snapshot buffers do: written with O_DIRECT, its
+    # blocks go to the file straight from it, without the staging copy.
+    aligned = torch.frombuffer(mmap.mmap(-1, 600 * 1024 * 4), dtype=torch.float32).view(600, 1024)
+    aligned.copy_(torch.randn(600, 1024))
+    state = {"a": torch.randn(1000, 77), "b": torch.arange(5), "c": aligned}
     expected = io.BytesIO()
-    torch.save(state, expected)
+    with config.patch({"save.storage_alignment": 4096}):
+        torch.save(state, expected)
     real_open, real_write = os.open, os.write
-    seen = {"direct": 0}
+    seen = {"direct": 0, "unstaged": 0}
+    real_emit = ckpt._FileWriter._emit
+
+    def spy_emit(self, out, length=None):
+        seen["unstaged"] += out.obj is not self.view.obj
+        return real_emit(self, out, length)
+
+    monkeypatch.setattr(ckpt._FileWriter, "_emit", spy_emit)
 
     def fake_open(path, flags, *args):
         if flags & getattr(os, "O_DIRECT", 0):
@@ -367,7 +383,7 @@ def test_checkpoint_files_written_direct_or_buffered_are_torch_save_bytes(tmp_pa
 
     monkeypatch.setattr(os, "open", fake_open)
     monkeypatch.setattr(os, "write", fake_write)
-    # A small staging buffer: the 300 kB file goes through it in many slices and ends on a partial block.
+    # A small staging buffer: the 2.8 MB file goes through it in many slices and ends on a partial block.
     w = ckpt.Writer(tmp_path, 3, rank=0, barrier=lambda: None, staging=ckpt.staging_buffer(1 << 16))
     w.begin()
     w.write_tensors("model.pt", state)
@@ -377,6 +393,7 @@ def test_checkpoint_files_written_direct_or_buffered_are_torch_save_bytes(tmp_pa
     ckpt.verify(path)  # the digest taken while writing matches the bytes on disk
     if hasattr(os, "O_DIRECT"):
         assert seen["direct"] >= 1
+        assert (seen["unstaged"] > 0) == (refuse is None)  # the aligned tensor skipped the staging buffer
 
 
 def test_forked_loader_worker_drops_the_ranks_tcp_sockets():

@@ -128,13 +128,25 @@ class _Snapshot:
         self.pin = pin
         self.buffers: dict[tuple, Any] = {}
 
+    def _empty(self, shape, dtype):
+        """A buffer for a tensor; large CPU ones page-aligned (an anonymous mapping), so that the
+        checkpoint writer can hand their pages to the disk directly (O_DIRECT) without a staging copy."""
+        import mmap
+
+        import torch
+
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.pin or nbytes < (1 << 20):
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
     def copy(self, obj: Any, path: tuple = ()) -> Any:
         import torch
 
         if torch.is_tensor(obj):
             buf = self.buffers.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=self.pin)
+                buf = self._empty(obj.shape, obj.dtype)
                 self.buffers[path] = buf
             buf.copy_(obj.detach())
             return buf
@@ -299,31 +311,11 @@ class Trainer:
             self.opt.load_state_dict(optim_sd)
 
     def save(self, reason: str, *, asynchronous: bool | None = None) -> None:
-        import torch
-
         t0 = time.monotonic()
         self.saver.wait()  # the snapshot buffers are reused: the previous write must be done
-        model_sd, optim_sd = self._model_state()
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
-        tensors: dict[str, Any] = {f"rng-rank{self.rank}.pt": self.snapshot.copy(rng, ("rng",))}
+        tensors, parts = self._snapshot()
         jsons: dict[str, Any] = {}
-        if self.cfg.parallelism == "fsdp" and self.dist.enabled:
-            parts = 1  # the gathered full state is on rank 0 only
-            if self.rank == 0:
-                tensors["optim-part0.pt"] = self.snapshot.copy(optim_sd, ("optim",))
-        else:
-            # Every rank holds the same optimizer state: each snapshots and writes its share.
-            parts = self.dist.world
-            model_bytes = sum(t.numel() * t.element_size() for t in model_sd.values())
-            mine = ckpt.optimizer_shares(optim_sd, parts, rank0_bytes=model_bytes)[self.rank]
-            tensors[f"optim-part{self.rank}.pt"] = self.snapshot.copy(
-                ckpt.optimizer_part(optim_sd, mine, first=self.rank == 0), ("optim",))
         if self.rank == 0:
-            tensors["model.pt"] = self.snapshot.copy(model_sd, ("model",))
-            tensors["scaler.pt"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()
-                                    if isinstance(v, (int, float))}
             jsons["trainer.json"] = {
                 "step": self.step, "epoch": self.epoch, "pos": self.pos, "world_size": self.dist.world,
                 "history": self.history, "best": self.best, "bad_epochs": self.bad_epochs,
@@ -340,6 +332,33 @@ class Trainer:
         self.metrics.set(checkpoint_save_seconds=blocked)
         self.metrics.event("checkpoint", self.step, reason=reason, blocked_seconds=round(blocked, 4),
                            asynchronous=use_async)
+
+    def _snapshot(self) -> tuple[dict[str, Any], int]:
+        """This rank's checkpoint tensors, copied into the reused snapshot buffers; and the number of
+        optimizer parts."""
+        import torch
+
+        model_sd, optim_sd = self._model_state()
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
+        tensors: dict[str, Any] = {f"rng-rank{self.rank}.pt": self.snapshot.copy(rng, ("rng",))}
+        if self.cfg.parallelism == "fsdp" and self.dist.enabled:
+            parts = 1  # the gathered full state is on rank 0 only
+            if self.rank == 0:
+                tensors["optim-part0.pt"] = self.snapshot.copy(optim_sd, ("optim",))
+        else:
+            # Every rank holds the same optimizer state: each snapshots and writes its share.
+            parts = self.dist.world
+            model_bytes = sum(t.numel() * t.element_size() for t in model_sd.values())
+            mine = ckpt.optimizer_shares(optim_sd, parts, rank0_bytes=model_bytes)[self.rank]
+            tensors[f"optim-part{self.rank}.pt"] = self.snapshot.copy(
+                ckpt.optimizer_part(optim_sd, mine, first=self.rank == 0), ("optim",))
+        if self.rank == 0:
+            tensors["model.pt"] = self.snapshot.copy(model_sd, ("model",))
+            tensors["scaler.pt"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()
+                                    if isinstance(v, (int, float))}
+        return tensors, parts
 
     def resume(self, path: Path | None = None) -> bool:
         import torch
@@ -498,6 +517,10 @@ class Trainer:
             self.scaler.step(self.opt)
             self.scaler.update()
             self.opt.zero_grad(set_to_none=True)
+            if not self.snapshot.buffers:
+                # The optimizer has its state now: allocate (and touch) the snapshot buffers here, once per
+                # process, rather than inside the first save, which a preemption notice may be waiting on.
+                self._snapshot()
             t3 = time.monotonic()
             self.step += 1
             self.pos += 1
