@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -333,6 +334,36 @@ def test_optimizer_state_split_over_ranks_merges_back(tmp_path):
     (path / "optim-part2.pt").unlink()
     with pytest.raises(ckpt.CheckpointError, match="optim-part2.pt: missing; .* in 3 parts"):
         ckpt.load_optimizer(path, 3)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+@pytest.mark.parametrize("idle", [True, False])
+def test_background_writer_runs_at_idle_priority_and_is_waited_for(tmp_path, idle):
+    import threading
+
+    import torch
+
+    seen = []
+    release = threading.Event()
+
+    def barrier():  # called by the writer at begin and commit: note its policy; hold it at begin
+        seen.append(os.sched_getscheduler(0))
+        if len(seen) == 1:
+            release.wait(30)
+
+    saver = ckpt.AsyncSaver(tmp_path, rank=0, barrier=barrier, keep_last=2, idle=idle)
+    saver.save(5, {"model.pt": {"w": torch.randn(64, 64)}}, {"trainer.json": {"step": 5}}, keep=set())
+    while not seen:
+        threading.Event().wait(0.01)
+    assert seen[0] == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
+    threading.Timer(0.2, release.set).start()
+    saver.wait()  # lifts the writer back to normal priority where allowed (root here), then joins it
+    if idle and os.geteuid() == 0:
+        assert seen[-1] == os.SCHED_OTHER
+    ckpt.verify(tmp_path / "step-00000005")
+    saver.save(6, {"model.pt": {"w": torch.randn(64, 64)}}, {}, keep=set(), asynchronous=False)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # a synchronous save runs at the caller's priority
+    ckpt.verify(tmp_path / "step-00000006")
 
 
 @pytest.mark.parametrize("refuse", [None, "open", "write"])

@@ -54,6 +54,7 @@ class RunConfig:
     max_steps: int | None = None
     max_seconds: float | None = None
     checkpoint_async: bool = True
+    checkpoint_writer_priority: str = "idle"
     resume_average_last: int = 0
     # distributed
     backend: str = "auto"
@@ -87,7 +88,8 @@ class RunConfig:
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ConfigError(f"precision: must be fp32, bf16 or fp16 (got {self.precision!r})")
         choices = {"parallelism": ("ddp", "fsdp"), "gradient_compression": ("none", "fp16", "bf16"),
-                   "spike_action": ("alert", "rollback"), "data_format": ("petastorm", "tfrecord")}
+                   "spike_action": ("alert", "rollback"), "data_format": ("petastorm", "tfrecord"),
+                   "checkpoint_writer_priority": ("idle", "normal")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}: must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")

@@ -241,6 +241,7 @@ class Trainer:
                                            growth_interval=cfg.loss_scale_growth_interval)
         self.snapshot = _Snapshot(pin=self.dist.device.type == "cuda")
         self.saver = ckpt.AsyncSaver(self.ckpt_root, rank=self.rank, barrier=self.dist.ckpt_barrier,
+                                     idle=cfg.checkpoint_writer_priority == "idle",
                                      keep_last=cfg.keep_last, log=self.log)
         self.watchdog = Watchdog(cfg.hang_timeout_seconds, out_dir=self.out, rank=self.rank,
                                  on_hang=self._on_hang).start()

@@ -44,6 +44,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         "checkpoint_dir": checkpoint_dir, "output_dir": output_dir,
         "checkpoint_every_steps": t.checkpoint.every_steps, "checkpoint_every_seconds": t.checkpoint.every_seconds,
         "keep_last": t.checkpoint.keep_last, "checkpoint_async": t.checkpoint.asynchronous,
+        "checkpoint_writer_priority": t.checkpoint.writer_priority,
         "resume_average_last": t.checkpoint.resume_average_last,
         "parallelism": t.parallelism, "gradient_compression": t.gradient_compression,
         "loss_scale_init": t.loss_scale.initial, "loss_scale_growth_interval": t.loss_scale.growth_interval,

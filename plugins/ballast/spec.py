@@ -240,6 +240,10 @@ class CheckpointSpec(_Model):
     """Committed checkpoints kept, besides the best one."""
     asynchronous: bool = True
     """Write checkpoints in the background; training waits only for an in-memory snapshot."""
+    writer_priority: Literal["idle", "normal"] = "idle"
+    """CPU priority of the background writer. `idle` (Linux SCHED_IDLE): it runs on CPU time training
+    leaves free, so a save slows training less, and takes longer where the CPUs are saturated.
+    `normal`: the same priority as training."""
     resume_average_last: int = Field(0, ge=0, le=100)
     """On resume, start from the mean weights of the last N checkpoints (seed documents: 3); 0 = off."""
 
