@@ -392,13 +392,15 @@ class AsyncSaver:
     thread at its priority.
     """
 
-    def __init__(self, root: Path, *, rank: int, barrier, keep_last: int, log=print, idle: bool = False):
+    def __init__(self, root: Path, *, rank: int, barrier, keep_last: int, log=print, idle: bool = False,
+                 on_written=None):
         self.root = Path(root)
         self.rank = rank
         self.barrier = barrier
         self.keep_last = keep_last
         self.log = log
         self.idle = idle
+        self.on_written = on_written  # (step, seconds), from the writer once a checkpoint is committed
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
@@ -430,6 +432,8 @@ class AsyncSaver:
             self.last_path = w.commit()
             if self.rank == 0:
                 prune(self.root, keep_last=self.keep_last, keep=keep)
+            if self.on_written is not None:
+                self.on_written(step, time.monotonic() - t0)
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
         self.last_write_seconds = time.monotonic() - t0

@@ -165,6 +165,7 @@ class Metrics:
                               ("learning_rate", "current learning rate"),
                               ("memory_bytes", "resident memory of this process (GPU: allocated)"),
                               ("checkpoint_save_seconds", "time training was blocked by the last save"),
+                              ("checkpoint_write_seconds", "time the last checkpoint took to write and commit"),
                               ("checkpoint_load_seconds", "time the last resume took"),
                               ("gpu_utilization_percent", "GPU utilisation (NVML)"),
                               ("gpu_temperature_celsius", "GPU temperature (NVML)")):

@@ -241,7 +241,7 @@ class Trainer:
                                            growth_interval=cfg.loss_scale_growth_interval)
         self.snapshot = _Snapshot(pin=self.dist.device.type == "cuda")
         self.saver = ckpt.AsyncSaver(self.ckpt_root, rank=self.rank, barrier=self.dist.ckpt_barrier,
-                                     idle=cfg.checkpoint_writer_priority == "idle",
+                                     idle=cfg.checkpoint_writer_priority == "idle", on_written=self._written,
                                      keep_last=cfg.keep_last, log=self.log)
         self.watchdog = Watchdog(cfg.hang_timeout_seconds, out_dir=self.out, rank=self.rank,
                                  on_hang=self._on_hang).start()
@@ -333,6 +333,11 @@ class Trainer:
         self.metrics.set(checkpoint_save_seconds=blocked)
         self.metrics.event("checkpoint", self.step, reason=reason, blocked_seconds=round(blocked, 4),
                            asynchronous=use_async)
+
+    def _written(self, step: int, seconds: float) -> None:
+        """From the writer: checkpoint `step` is committed, `seconds` after its write began."""
+        self.metrics.set(checkpoint_write_seconds=seconds)
+        self.metrics.event("checkpoint_written", step, write_seconds=round(seconds, 3))
 
     def _snapshot(self) -> tuple[dict[str, Any], int]:
         """This rank's checkpoint tensors, copied into the reused snapshot buffers; and the number of
@@ -632,6 +637,7 @@ class Trainer:
                 continue
             if self.limit_reached:
                 self.log(f"step or time budget reached at step {self.step} (max_steps / max_seconds)")
+                self.metrics.event("budget_reached", self.step)
                 self.save("limit")
                 break
             scores = self.evaluate(self.val_data)
