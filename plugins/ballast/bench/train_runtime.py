@@ -152,7 +152,7 @@ def bench_checkpoint(*, hidden: int = 9000, interval_run_seconds: float = 100.0,
                 saves = [e for e in events if e["event"] == "checkpoint" and e["reason"] == "interval"]
                 # Each interval save's background write must be done inside the timed window, or part of
                 # its cost would fall after it (the writer runs at idle priority and is waited for after).
-                end = next(e["time"] for e in events if e["event"] == "budget_reached")
+                end = next((e["time"] for e in events if e["event"] in ("budget_reached", "epoch")), float("inf"))
                 written = {e["step"]: e for e in events if e["event"] == "checkpoint_written"}
                 late = [s["step"] for s in saves if s["step"] not in written or written[s["step"]]["time"] > end]
                 rates[label].append({"samples_per_second": summary["samples_per_second"], "interval_saves": len(saves),
