@@ -404,7 +404,6 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
-        self.last_write_seconds = 0.0
         self._staging = staging_buffer()  # one save at a time: the writer's staging buffer is reused
 
     def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
@@ -436,7 +435,6 @@ class AsyncSaver:
                 self.on_written(step, time.monotonic() - t0)
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
-        self.last_write_seconds = time.monotonic() - t0
 
     def wait(self) -> None:
         if self._thread is not None:
