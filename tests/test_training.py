@@ -457,3 +457,24 @@ def test_forked_loader_worker_drops_the_ranks_tcp_sockets():
     os.waitpid(pid, 0)
     tcp.close(), unix_a.close(), unix_b.close(), os.close(r)
     assert out == b"011"
+
+
+def test_resume_keeps_the_fused_optimizer_kernel():
+    """A state saved by a foreach AdamW (an older version) must not switch a fused one back."""
+    import torch
+
+    from training.models import build_optimizer
+    from training.trainer import keeping_optimizer_kernel
+
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.ones(3)
+    old = torch.optim.AdamW([w], lr=0.1, foreach=True)
+    old.step()
+    opt = build_optimizer("adamw", [w], lr=0.1, weight_decay=0.0)
+    assert opt.param_groups[0]["fused"] is True
+    with keeping_optimizer_kernel(opt):
+        opt.load_state_dict(old.state_dict())
+    assert opt.param_groups[0]["fused"] is True and not opt.param_groups[0]["foreach"]
+    assert torch.equal(opt.state[w]["exp_avg"], old.state[w]["exp_avg"])
+    opt.step()  # the fused kernel accepts the loaded state (its step counter a CPU float tensor)
+

@@ -21,7 +21,7 @@ def main() -> None:
 
     from training.config import RunConfig
     from training.data import EpochLoader
-    from training.models import build_model
+    from training.models import build_model, build_optimizer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -35,7 +35,7 @@ def main() -> None:
                        workers=cfg.loader_workers, prefetch=cfg.loader_prefetch)
     model = DDP(build_model(cfg.model, input_shape=cfg.input_shape, num_classes=cfg.num_classes,
                             hidden=cfg.hidden_size, dropout=cfg.dropout))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    opt = build_optimizer(cfg.optimizer, model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     per_step = cfg.micro_batch_size * cfg.grad_accum_steps
     seconds, samples = 0.0, 0
     for epoch in range(cfg.epochs):

