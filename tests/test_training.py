@@ -478,3 +478,38 @@ def test_resume_keeps_the_fused_optimizer_kernel():
     assert torch.equal(opt.state[w]["exp_avg"], old.state[w]["exp_avg"])
     opt.step()  # the fused kernel accepts the loaded state (its step counter a CPU float tensor)
 
+
+def test_training_processes_keep_freed_host_memory_for_reuse(tmp_path):
+    """Blocks above glibc's mmap threshold come back as fresh pages at every allocation unless the
+    thresholds are raised: count the page faults of the same loop both ways."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import resource, sys\n"
+        "import torch\n"
+        "from training.hostmem import keep_freed_memory\n"
+        "done = keep_freed_memory() if sys.argv[1] == 'keep' else {}\n"
+        "def step():\n"  # two 64 MB blocks: above glibc's largest dynamic mmap threshold (32 MiB)
+        "    x = torch.ones(16_000_000)\n"
+        "    y = x * 2\n"
+        "for _ in range(4):\n"  # the heap settles in the first steps
+        "    step()\n"
+        "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "for _ in range(5):\n"
+        "    step()\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0, sorted(done))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    faults = {}
+    for mode in ("keep", "system"):
+        out = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, check=True)
+        count, names = out.stdout.split(" ", 1)
+        faults[mode] = int(count)
+        if mode == "keep":
+            assert names.strip() == "['malloc_mmap_threshold', 'malloc_trim_threshold']"
+    pages = 64_000_000 // 4096
+    assert faults["system"] > 5 * 2 * pages * 0.9, faults  # every step faults both blocks in again
+    # Steps reuse the heap's pages (here 0, or one block's pages while the heap settles, out of 10).
+    assert faults["keep"] < 2 * pages, faults
+    # An explicit environment setting wins over the trainer's.
+    out = subprocess.run([sys.executable, str(script), "keep"], env={**env, "MALLOC_MMAP_THRESHOLD_": "65536",
+                         "MALLOC_TRIM_THRESHOLD_": "65536"}, capture_output=True, text=True, check=True)
+    assert out.stdout.split(" ", 1)[1].strip() == "[]"

@@ -26,6 +26,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     cfg = RunConfig.load(parser.parse_args().config)
+    if cfg.reuse_freed_memory:  # the same process set-up as the trainer's: this compares the loops
+        from training.hostmem import keep_freed_memory
+
+        keep_freed_memory()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cores = os.cpu_count() or 1

@@ -77,6 +77,7 @@ class RunConfig:
     # resources and metrics
     gpu_memory_fraction: float = 0.9
     cpu_reserve_fraction: float = 0.2
+    reuse_freed_memory: bool = True  # training.hostmem
     metrics_port: int | None = None
     faults: list = field(default_factory=list)
 

@@ -55,6 +55,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         "hang_timeout_seconds": spec.execution.hang_timeout_seconds,
         "preempt_grace_seconds": spec.recovery.preempt_grace_seconds,
         "gpu_memory_fraction": t.gpu_memory_fraction, "cpu_reserve_fraction": t.cpu_reserve_fraction,
+        "reuse_freed_memory": t.reuse_freed_memory,
         "metrics_port": spec.execution.metrics_port,
     }
 

@@ -333,6 +333,10 @@ class TrainingSpec(_Model):
     """Which converted format training reads; default the first of conversion.formats."""
     cpu_reserve_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     """Share of CPU cores left to data loading (seed documents: 20%)."""
+    reuse_freed_memory: bool = True
+    """Training processes keep freed host memory for the next step instead of returning it to the OS
+    after every step (glibc malloc thresholds; see training/hostmem.py). Resident memory stays at the
+    step's peak; false gives glibc's defaults."""
 
     @field_validator("model")
     @classmethod
