@@ -188,7 +188,8 @@ def test_two_agents_rendezvous_on_loopback_train_and_resume(tmp_path, cache):
     lambda d: d["training"].update(parallelism="fsdp"),
     lambda d: d["training"].update(gradient_compression="fp16"),
     lambda d: d["training"].update(precision="bf16"),
-], ids=["fsdp", "fp16-compression", "bf16"])
+    lambda d: d["training"].update(precision="fp16"),  # no fp16 autocast on CPU: fp32, loss scaler off
+], ids=["fsdp", "fp16-compression", "bf16", "fp16-on-cpu"])
 def test_parallelism_and_precision_options_train_and_resume(tmp_path, cache, edit):
     def opts(d):
         d["training"].update(processes_per_node=2, global_batch_size=64)
