@@ -463,8 +463,7 @@ def test_resume_keeps_the_fused_optimizer_kernel():
     """A state saved by a foreach AdamW (an older version) must not switch a fused one back."""
     import torch
 
-    from training.models import build_optimizer
-    from training.trainer import keeping_optimizer_kernel
+    from training.models import build_optimizer, keeping_optimizer_kernel
 
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.ones(3)

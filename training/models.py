@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "embed")
 
@@ -110,3 +111,13 @@ def build_optimizer(name: str, params: Any, *, lr: float, weight_decay: float) -
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, fused=True)
     raise ValueError(f"unknown optimizer {name!r}; known: adamw, sgd")
+
+
+@contextlib.contextmanager
+def keeping_optimizer_kernel(opt: Any) -> Iterator[None]:
+    """An optimizer's load_state_dict takes every group option from the saved state, the kernel choice
+    (fused, foreach) included: keep this process's across a load, whatever version wrote the state."""
+    kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
+    yield
+    for group, keep in zip(opt.param_groups, kernels):
+        group.update(keep)

@@ -29,14 +29,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from training import checkpoint as ckpt
 from training.config import RunConfig
 from training.data import EpochLoader, Split, load_split
 from training.failure import EXIT_CODES, DataError, DivergenceError, Preempted, TrainingFailure, write_record
 from training.faults import Injector, load_faults
-from training.models import build_model, build_optimizer
+from training.models import build_model, build_optimizer, keeping_optimizer_kernel
 from training.monitor import Metrics, Nvml, SpikeDetector, Watchdog, grad_stats, memory_bytes
 
 
@@ -114,16 +114,6 @@ class _Dist:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def keeping_optimizer_kernel(opt: Any) -> Iterator[None]:
-    """An optimizer's load_state_dict takes every group option from the saved state, the kernel choice
-    (fused, foreach) included: keep this process's across a load, whatever version wrote the state."""
-    kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
-    yield
-    for group, keep in zip(opt.param_groups, kernels):
-        group.update(keep)
 
 
 class _Snapshot:
@@ -306,20 +296,17 @@ class Trainer:
 
     def _load_model_state(self, model_sd: dict, optim_sd: dict | None) -> None:
         with keeping_optimizer_kernel(self.opt):
-            self._load_states(model_sd, optim_sd)
+            if self.cfg.parallelism == "fsdp" and self.dist.enabled:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    def _load_states(self, model_sd: dict, optim_sd: dict | None) -> None:
-        if self.cfg.parallelism == "fsdp" and self.dist.enabled:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-            # Every rank read the full state from the (shared) checkpoint directory; each keeps its shard.
-            # (broadcast_from_rank0 with empty dicts on the other ranks hung on gloo here.)
-            set_state_dict(self.raw_model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd or {},
-                           options=StateDictOptions(full_state_dict=True))
-            return
-        self.raw_model.load_state_dict(model_sd)
-        if optim_sd is not None:
-            self.opt.load_state_dict(optim_sd)
+                # Every rank read the full state from the (shared) checkpoint directory; each keeps its
+                # shard. (broadcast_from_rank0 with empty dicts on the other ranks hung on gloo here.)
+                set_state_dict(self.raw_model, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd or {},
+                               options=StateDictOptions(full_state_dict=True))
+                return
+            self.raw_model.load_state_dict(model_sd)
+            if optim_sd is not None:
+                self.opt.load_state_dict(optim_sd)
 
     def save(self, reason: str, *, asynchronous: bool | None = None) -> None:
         t0 = time.monotonic()
