@@ -126,7 +126,7 @@ def test_parsing_imports_no_heavy_module():
 
 
 def test_training_package_never_imports_airflow():
-    probe = ("import sys, training.trainer, training.checkpoint, training.data, training.__main__\n"
+    probe = ("import sys, training.trainer, training.checkpoint, training.dataset.loader, training.__main__\n"
              "print([m for m in sys.modules if m.split('.')[0] in ('airflow', 'ballast')])")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

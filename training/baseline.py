@@ -20,7 +20,7 @@ def main() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from training.config import RunConfig
-    from training.data import EpochLoader
+    from training.dataset.loader import EpochLoader
     from training.models import build_model, build_optimizer
 
     parser = argparse.ArgumentParser()

@@ -1,17 +1,12 @@
-"""The packed dataset both conversion engines write, and how rows are encoded into it.
+"""Writing the packed dataset both conversion engines produce: raw rows in, encoded shards out.
 
-Layout under a dataset prefix:
-    petastorm/<split>/part-NNNNN.parquet   a Petastorm dataset per split: a Unischema with codecs
-    petastorm/<split>/_common_metadata     the pickled Unischema and row groups per file (what
-                                           petastorm's materialize_dataset writes)
-    tfrecord/<split>/part-NNNNN.tfrecord   tf.train.Example records: the same encoded feature bytes
-                                           and the label, readable by the tfrecord package
-    manifest.json                          written last: every file with rows, bytes and sha256
-
-The feature column holds exactly what the field's Petastorm codec writes (`NdarrayCodec`: numpy's
-.npy bytes; `CompressedImageCodec`: PNG or JPEG). Rows go to splits by a hash of their global row
-number (over the raw files in sorted order) and to shards by their position within the split, so
-the output depends only on the input and the settings, never on the engine or its parallelism.
+The format itself (layout, manifest, the bytes of every value, FORMAT_VERSION) is the contract in
+training.dataset.format, shared with the reader; this module reads the raw input, encodes it with
+those codecs and writes the files. Besides the shards, each Petastorm split gets
+`petastorm/<split>/_common_metadata`: the pickled Unischema and row groups per file, what petastorm's
+materialize_dataset writes. Rows go to splits by a hash of their global row number (over the raw files
+in sorted order) and to shards by their position within the split, so the output depends only on the
+input and the settings, never on the engine or its parallelism.
 """
 
 from __future__ import annotations
@@ -23,9 +18,14 @@ from typing import Any, Iterator
 
 from ballast.errors import DataError
 from ballast.spec import DatasetSpec, FieldSpec
+from training.dataset.format import (FORMAT_VERSION, FeatureLayout, encode_images, encode_npy, numpy_dtype,
+                                     tfrecord_examples)
+from training.failure import DataFailure
+
+__all__ = ["FORMAT_VERSION", "SPLITS", "FeatureEncoder", "feature_layout", "layout", "plan_chunks", "read_chunk",
+           "split_codes", "unischema", "write_petastorm_metadata", "write_shard"]
 
 SPLITS = ("train", "validation", "test")
-FORMAT_VERSION = 2
 
 
 def split_codes(row_ids: Any, *, validation: float, test: float, seed: int) -> Any:
@@ -44,10 +44,14 @@ def split_codes(row_ids: Any, *, validation: float, test: float, seed: int) -> A
     return out
 
 
+def feature_layout(field: FieldSpec) -> FeatureLayout:
+    """The format's description of a spec field: name, type, shape and the codec actually used."""
+    return FeatureLayout(field.name, field.type, tuple(field.shape), field.storage_codec)
+
+
 def layout(dataset: DatasetSpec) -> dict:
     """What the manifest records of the feature and label: enough for a reader to decode them."""
-    f = dataset.features[0]
-    return {"feature": {"name": f.name, "dtype": f.type, "shape": list(f.shape), "codec": f.storage_codec},
+    return {"feature": feature_layout(dataset.features[0]).to_manifest(),
             "label": {"name": dataset.label, "num_classes": dataset.num_classes}}
 
 
@@ -57,8 +61,6 @@ def unischema(dataset: DatasetSpec) -> Any:
     from petastorm.codecs import CompressedImageCodec, NdarrayCodec, ScalarCodec
     from petastorm.unischema import Unischema, UnischemaField
     from pyspark.sql.types import LongType
-
-    from training.data import numpy_dtype
 
     f = dataset.features[0]
     codec = f.storage_codec
@@ -108,8 +110,6 @@ def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int, drop: Any = 
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from training.data import numpy_dtype
-
     f = dataset.features[0]
     size = int(np.prod(f.shape))
     dtype = numpy_dtype(f.type)
@@ -156,16 +156,13 @@ def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int, drop: Any = 
 
 
 class FeatureEncoder:
-    """Encodes feature arrays exactly as the field's Petastorm codec would, vectorised where possible."""
+    """Encodes feature arrays exactly as the field's Petastorm codec would (training.dataset.format),
+    vectorised where possible; one pyarrow binary value per row, what every format is written from."""
 
     def __init__(self, field: FieldSpec):
-        from training.data import npy_header, numpy_dtype
-
         self.field = field
-        self.codec = field.storage_codec
-        self.dtype = numpy_dtype(field.type)
-        if self.codec == "ndarray":
-            self.header = npy_header(self.dtype, tuple(field.shape))
+        self.layout = feature_layout(field)
+        self.codec = self.layout.codec
 
     def encode(self, x: Any) -> Any:
         """A pyarrow binary array, one encoded value per row of x (n, *shape)."""
@@ -174,35 +171,23 @@ class FeatureEncoder:
 
         n = len(x)
         if self.codec == "ndarray":
-            body = np.ascontiguousarray(x, dtype=self.dtype).reshape(n, -1).view(np.uint8)
-            h = len(self.header)
-            out = np.empty((n, h + body.shape[1]), dtype=np.uint8)
-            out[:, :h] = np.frombuffer(self.header, dtype=np.uint8)
-            out[:, h:] = body
+            out = encode_npy(self.layout, x)
             offsets = np.arange(0, (n + 1) * out.shape[1], out.shape[1], dtype=np.int64)
             return pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(offsets),
                                                                             pa.py_buffer(out)]).cast(pa.binary())
-        import cv2
-
-        ext = "." + self.codec
-        params = [int(cv2.IMWRITE_JPEG_QUALITY), 95] if self.codec == "jpeg" else []
-        values = []
-        for img in x:
-            if img.ndim == 3 and img.shape[2] == 3:
-                img = cv2.cvtColor(img, cv2.COLOR_RGB2BGR)  # the codec's convention: RGB in, BGR on disk
-            ok, data = cv2.imencode(ext, img, params)
-            if not ok:
-                raise DataError(f"{self.field.name}: OpenCV could not encode an image as {self.codec}")
-            values.append(data.tobytes())
-        return pa.array(values, type=pa.binary())
+        try:
+            return pa.array(encode_images(self.layout, x), type=pa.binary())
+        except DataFailure as exc:
+            raise DataError(str(exc)) from exc
 
 
 # --- writing shards -------------------------------------------------------------------------------------
 
 
 def write_shard(staging: Path, split: str, shard: int, feature: Any, labels: Any, *, formats: tuple[str, ...],
-                feature_name: str, label_name: str, row_group_rows: int) -> list[dict]:
-    """Write one shard in every format; returns manifest entries (sha256 filled in later)."""
+                layout: FeatureLayout, label_name: str, row_group_rows: int) -> list[dict]:
+    """Write one shard in every format from FeatureEncoder's values (`feature`, a pyarrow binary array);
+    returns manifest entries (sha256 filled in later)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -214,33 +199,27 @@ def write_shard(staging: Path, split: str, shard: int, feature: Any, labels: Any
         path.parent.mkdir(parents=True, exist_ok=True)
         entry = {"path": rel, "split": split, "format": fmt, "rows": n}
         if fmt == "petastorm":
-            table = pa.table({feature_name: feature, label_name: pa.array(labels, type=pa.int64())})
+            table = pa.table({layout.name: feature, label_name: pa.array(labels, type=pa.int64())})
             pq.write_table(table, path, row_group_size=row_group_rows)
             meta = pq.ParquetFile(path).metadata
             entry["row_groups"] = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         else:
-            _write_tfrecord(path, feature, labels, feature_name, label_name)
+            _write_tfrecord(path, feature, labels, layout, label_name)
         entry["bytes"] = path.stat().st_size
         entries.append(entry)
     return entries
 
 
-def _write_tfrecord(path: Path, feature: Any, labels: Any, feature_name: str, label_name: str) -> None:
-    """tf.train.Example records in TFRecord framing (the tfrecord package's), serialised with sorted
-    map keys so that the bytes depend only on the rows (protobuf's default map order does not)."""
+def _write_tfrecord(path: Path, feature: Any, labels: Any, layout: FeatureLayout, label_name: str) -> None:
+    """The shard's tf.train.Example records (training.dataset.format) in TFRecord framing, the tfrecord
+    package's: length, masked CRC32C of the length, record, masked CRC32C of the record."""
     import struct
 
-    from tfrecord import example_pb2
     from tfrecord.writer import TFRecordWriter
 
     crc = TFRecordWriter.masked_crc
     with open(path, "wb") as out:
-        for value, lab in zip(feature.to_pylist(), labels.tolist()):
-            example = example_pb2.Example(features=example_pb2.Features(feature={
-                feature_name: example_pb2.Feature(bytes_list=example_pb2.BytesList(value=[value])),
-                label_name: example_pb2.Feature(int64_list=example_pb2.Int64List(value=[int(lab)])),
-            }))
-            record = example.SerializeToString(deterministic=True)
+        for record in tfrecord_examples(layout, label_name, feature.to_pylist(), labels.tolist()):
             length = struct.pack("<Q", len(record))
             out.write(length + crc(length) + record + crc(record))
 

@@ -88,7 +88,7 @@ def convert_arrow(chunks, spec, bad_rows, staging: Path, progress: Progress | No
             labels = np.concatenate([y for _, y in pending[split]])
             n = min(conv.shard_rows, len(labels))
             entries.extend(write_shard(staging, split, shard_no[split], feats.slice(0, n), labels[:n],
-                                       formats=conv.formats, feature_name=feature.name, label_name=ds.label,
+                                       formats=conv.formats, layout=enc.layout, label_name=ds.label,
                                        row_group_rows=conv.row_group_rows))
             shard_no[split] += 1
             rest = len(labels) - n

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.errors import DataError
-from ballast.packing import SPLITS, FeatureEncoder, read_chunk, split_codes, write_shard
+from ballast.packing import SPLITS, FeatureEncoder, feature_layout, read_chunk, split_codes, write_shard
 
 
 def _split_offsets(chunks, spec, bad_rows) -> tuple[list[list[int]], dict[str, int]]:
@@ -82,7 +82,8 @@ def convert_spark(chunks, spec, bad_rows, staging: Path, *, log) -> list[dict]:
         feature = pa.array([r[1][0] for r in rows], type=pa.binary())
         labels = np.array([r[1][1] for r in rows], dtype=np.int64)
         return write_shard(staging, split, shard, feature, labels, formats=conv.formats,
-                           feature_name=ds.features[0].name, label_name=ds.label, row_group_rows=conv.row_group_rows)
+                           layout=feature_layout(ds.features[0]), label_name=ds.label,
+                           row_group_rows=conv.row_group_rows)
 
     spark = session(conv.spark_master)
     try:

@@ -36,7 +36,8 @@ _BLOCK = 1 << 20
 
 def plan_stages(manifest: dict, fmt: str, fractions: list[float], *, world: int, seed: int) -> list[list[dict]]:
     """The manifest's files of one format, cut into cumulative cache stages in training's read order."""
-    from training.data import blocks_of, rank_spans
+    from training.dataset.format import blocks_of
+    from training.dataset.order import rank_spans
 
     files = [f for f in manifest["files"] if f["format"] == fmt]
     by_path = {f["path"]: f for f in files}

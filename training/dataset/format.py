@@ -1,0 +1,216 @@
+"""The packed dataset's format: the contract between conversion (which writes it) and the reader.
+
+Both sides import this module, so the manifest's fields, the block list, the feature layout and the
+bytes of every encoded value are defined once. numpy only at module level: the conversion stage runs
+in the orchestrator's worker, and OpenCV and protobuf are imported where an image or a record is made.
+
+Layout of a converted dataset (see ballast.packing for how it is written):
+    petastorm/<split>/part-NNNNN.parquet   Petastorm: the feature as its Petastorm codec writes it
+                                           (`NdarrayCodec`: a whole .npy file; `CompressedImageCodec`:
+                                           PNG or JPEG), the label an int64 column
+    tfrecord/<split>/part-NNNNN.tfrecord   tf.train.Example records: the same encoded feature bytes
+                                           (bytes_list) and the label (int64_list)
+    manifest.json                          written last: the feature layout, the label, every file
+                                           with split, rows, bytes, sha256 and Parquet row groups
+
+FORMAT_VERSION is part of the dataset id, so a change to these bytes never reuses an older conversion.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from training.failure import DataFailure
+
+FORMAT_VERSION = 2
+
+IMAGE_CODECS = ("png", "jpeg")
+
+
+# --- the manifest ---------------------------------------------------------------------------------------
+
+
+def read_manifest(data_dir: Path) -> dict:
+    """The dataset's manifest.json, refused when missing, unreadable or of another format version."""
+    path = Path(data_dir) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except OSError as exc:
+        raise DataFailure(f"{path}: dataset manifest missing; was the cache warmed?") from exc
+    except ValueError as exc:
+        raise DataFailure(f"{path}: dataset manifest is not valid JSON ({exc})") from exc
+    version = manifest.get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise DataFailure(f"{path}: format_version {version}, this reader reads {FORMAT_VERSION}; convert the"
+                          f" dataset again (a re-run of the convert stage writes the current format)")
+    return manifest
+
+
+@dataclass(frozen=True)
+class Block:
+    """The unit read at once: a Parquet row group, or a whole TFRecord shard."""
+
+    path: str                # relative to the cache directory
+    bytes: int               # the file's size per the manifest
+    row_group: int | None    # Parquet row group, or None for a whole TFRecord file
+    rows: int
+
+
+def blocks_of(manifest: dict, split: str, fmt: str) -> list[Block]:
+    """The blocks of one split in one format, in the manifest's file order."""
+    out = []
+    for e in manifest["files"]:
+        if e["split"] != split or e["format"] != fmt or e.get("kind") == "metadata":
+            continue
+        if fmt == "petastorm":
+            out.extend(Block(e["path"], e["bytes"], g, n) for g, n in enumerate(e["row_groups"]))
+        else:
+            out.append(Block(e["path"], e["bytes"], None, e["rows"]))
+    return out
+
+
+# --- the feature layout ---------------------------------------------------------------------------------
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a spec field type (float32, uint8, bool, string, ...), little-endian: the byte
+    order both the .npy files and the TFRecord tensors are written in, whatever the host's."""
+    return np.dtype({"bool": "bool_", "string": "str_"}.get(name, name)).newbyteorder("<")
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """What the manifest records of the feature: enough to encode it and to decode it."""
+
+    name: str
+    dtype: str               # the spec's type name: float32, uint8, ...
+    shape: tuple[int, ...]   # of one value
+    codec: str               # ndarray, png or jpeg
+
+    @classmethod
+    def from_manifest(cls, entry: dict) -> FeatureLayout:
+        return cls(entry["name"], entry["dtype"], tuple(entry["shape"]), entry["codec"])
+
+    def to_manifest(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "codec": self.codec}
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return numpy_dtype(self.dtype)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of one raw value (codec ndarray)."""
+        return self.numpy_dtype.itemsize * int(np.prod(self.shape))
+
+
+# --- the codecs: what Petastorm's codecs write, vectorised --------------------------------------------
+
+
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The bytes numpy's .npy format (so NdarrayCodec) puts before an array of this dtype and shape."""
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(shape, dtype))
+    raw = buf.getvalue()
+    return raw[:len(raw) - dtype.itemsize * int(np.prod(shape))]
+
+
+def encode_npy(layout: FeatureLayout, x: np.ndarray) -> np.ndarray:
+    """(n, header + body) uint8: row i is the .npy file NdarrayCodec writes for x[i], without a loop."""
+    n = len(x)
+    header = npy_header(layout.numpy_dtype, layout.shape)
+    body = np.ascontiguousarray(x, dtype=layout.numpy_dtype).reshape(n, -1).view(np.uint8)
+    out = np.empty((n, len(header) + body.shape[1]), dtype=np.uint8)
+    out[:, :len(header)] = np.frombuffer(header, dtype=np.uint8)
+    out[:, len(header):] = body
+    return out
+
+
+def encode_images(layout: FeatureLayout, x: np.ndarray) -> list[bytes]:
+    """PNG or JPEG files of uint8 images (n, H, W[, 3]), as CompressedImageCodec writes them (RGB in,
+    OpenCV's BGR on disk, JPEG quality 95)."""
+    import cv2
+
+    ext = "." + layout.codec
+    params = [int(cv2.IMWRITE_JPEG_QUALITY), 95] if layout.codec == "jpeg" else []
+    values = []
+    for img in x:
+        if img.ndim == 3 and img.shape[2] == 3:
+            img = cv2.cvtColor(img, cv2.COLOR_RGB2BGR)
+        ok, data = cv2.imencode(ext, img, params)
+        if not ok:
+            raise DataFailure(f"{layout.name}: OpenCV could not encode an image as {layout.codec}")
+        values.append(data.tobytes())
+    return values
+
+
+def decode_tensors(layout: FeatureLayout, values: list[bytes] | Any, where: str, header: bytes = b"") -> np.ndarray:
+    """float32 (n, *shape) from raw tensor bytes (header b"") or .npy files (header: the expected .npy
+    header; values with another one, e.g. another byte order, go through numpy's own reader)."""
+    n = len(values)
+    out = np.empty((n, *layout.shape), dtype=np.float32)
+    size = len(header) + layout.tensor_bytes
+    if n and all(len(v) == size for v in values):
+        # One copy for the whole block: every value is header + raw body of the declared dtype.
+        flat = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(n, size)
+        if (flat[:, :len(header)] == np.frombuffer(header, dtype=np.uint8)).all():
+            out[...] = np.ascontiguousarray(flat[:, len(header):]).view(layout.numpy_dtype).reshape(n, *layout.shape)
+            return out
+    for i, v in enumerate(values):
+        if not header:
+            raise DataFailure(f"{where}: row {i}: {layout.name!r} holds {len(v)} bytes, a {layout.dtype}"
+                              f" {list(layout.shape)} tensor is {layout.tensor_bytes}; convert the dataset again")
+        try:
+            out[i] = np.load(io.BytesIO(v), allow_pickle=False).reshape(layout.shape)
+        except Exception as exc:
+            raise DataFailure(f"{where}: row {i}: {layout.name!r} is not a {list(layout.shape)} array ({exc})") from exc
+    return out
+
+
+def decode_images(layout: FeatureLayout, values: list[bytes] | Any, where: str) -> np.ndarray:
+    """float32 (n, *shape) from PNG or JPEG files, RGB order as CompressedImageCodec returns them."""
+    import cv2
+
+    cv2.setNumThreads(1)  # one thread per loader worker; OpenCV's own pool would oversubscribe the cores
+    out = np.empty((len(values), *layout.shape), dtype=np.float32)
+    for i, v in enumerate(values):
+        img = cv2.imdecode(np.frombuffer(v, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
+        if img is None:
+            raise DataFailure(f"{where}: row {i}: {layout.name!r} is not a decodable {layout.codec} image")
+        if img.ndim == 3:
+            img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+        try:
+            out[i] = img.reshape(layout.shape)
+        except ValueError as exc:
+            raise DataFailure(f"{where}: row {i}: image of shape {list(img.shape)}, expected"
+                              f" {list(layout.shape)}") from exc
+    return out
+
+
+# --- TFRecord: tf.train.Example as TensorFlow parses it -------------------------------------------------
+
+
+def tfrecord_examples(layout: FeatureLayout, label_name: str, values: list[bytes], labels: list[int]) -> list[bytes]:
+    """Serialised tf.train.Example records (the tfrecord package's protobuf classes), map keys sorted, so
+    that the bytes depend only on the rows (protobuf's default map order does not)."""
+    from tfrecord import example_pb2
+
+    out = []
+    for value, lab in zip(values, labels):
+        example = example_pb2.Example(features=example_pb2.Features(feature={
+            layout.name: example_pb2.Feature(bytes_list=example_pb2.BytesList(value=[value])),
+            label_name: example_pb2.Feature(int64_list=example_pb2.Int64List(value=[int(lab)])),
+        }))
+        out.append(example.SerializeToString(deterministic=True))
+    return out
+
+
+def tfrecord_description(layout: FeatureLayout, label_name: str) -> dict[str, str]:
+    """What the reader asks the tfrecord package for: the value and the label."""
+    return {layout.name: "byte", label_name: "int"}

@@ -1,0 +1,112 @@
+"""The torch side of reading: per-rank batches of an epoch through a DataLoader.
+
+Loader workers decode whole spans (the rows a rank needs from one block, training.dataset.order) in
+parallel; spans are dealt to workers round-robin and the DataLoader returns them in order, so the
+sample order never depends on the worker count. The main process cuts the stream of spans into
+batches. This is the only module of the package that imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from training.dataset.format import Block, blocks_of, read_manifest
+from training.dataset.order import SpanList, rank_spans, skip_samples
+from training.dataset.reader import Decoder, import_readers, read_block
+from training.failure import DataFailure
+
+
+class Spans(IterableDataset):
+    """Decoded spans of a rank's epoch; worker w of k decodes spans w, w+k, ... so that the
+    DataLoader, taking one item from each worker in turn, returns them in their planned order."""
+
+    def __init__(self, data_dir: Path, fmt: str, blocks: list[Block], spans: SpanList, decoder: Decoder, label: str,
+                 wait_seconds: float):
+        self.args = (Path(data_dir), fmt, blocks, spans, decoder, label, wait_seconds)
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        data_dir, fmt, blocks, spans, decoder, label, wait = self.args
+        info = get_worker_info()
+        wid, k = (info.id, info.num_workers) if info else (0, 1)
+        for b, rows in spans[wid::k]:
+            x, y = read_block(data_dir, blocks[b], fmt, decoder, label, wait)
+            yield torch.from_numpy(np.ascontiguousarray(x[rows])), torch.from_numpy(np.ascontiguousarray(y[rows]))
+
+
+def _drop_inherited_sockets(_worker_id: int) -> None:
+    """In a forked loader worker: close its copies of the rank's TCP sockets (gloo, the rendezvous store,
+    the metrics endpoint). The worker talks to the rank through pipes only, and it ends with os._exit,
+    so nothing in it uses or later closes these descriptors."""
+    import socket
+    import stat
+
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+            family = sock.family
+            sock.detach()
+        except OSError:
+            continue
+        if family in (socket.AF_INET, socket.AF_INET6):
+            os.close(fd)
+
+
+class EpochLoader:
+    """Per-rank batches of the train split for an epoch, from any sample position, via a DataLoader."""
+
+    def __init__(self, data_dir: Path, *, fmt: str, rank: int, world: int, seed: int, workers: int = 2,
+                 prefetch: int = 2, wait_seconds: float = 0.0, split: str = "train"):
+        self.data_dir = Path(data_dir)
+        manifest = read_manifest(self.data_dir)
+        self.fmt, self.rank, self.world, self.seed = fmt, rank, world, seed
+        self.blocks = blocks_of(manifest, split, fmt)
+        if not self.blocks:
+            raise DataFailure(f"{self.data_dir}: the manifest lists no {fmt} shards for split {split!r}")
+        self.decoder = Decoder(manifest["feature"], fmt)
+        self.label = manifest["label"]["name"]
+        self.workers, self.prefetch, self.wait_seconds = workers, prefetch, wait_seconds
+        if workers:
+            import_readers(fmt, self.decoder.codec)
+        self.samples_per_rank = sum(b.rows for b in self.blocks) // world
+
+    def spans(self, epoch: int) -> SpanList:
+        return rank_spans(self.blocks, seed=self.seed, epoch=epoch, rank=self.rank, world=self.world)
+
+    def batches(self, epoch: int, *, batch: int, start: int = 0) -> Iterator[tuple[Any, Any]]:
+        """Full batches of `batch` samples from sample position `start` of this rank's epoch."""
+        spans = skip_samples(self.spans(epoch), start)
+        dataset = Spans(self.data_dir, self.fmt, self.blocks, spans, self.decoder, self.label, self.wait_seconds)
+        workers = min(self.workers, len(spans))
+        # Its own generator: creating the loader must not draw from torch's global RNG, or a run resumed
+        # mid-epoch (loader created at the resume point) would see other dropout masks than the original.
+        # Workers forked from this rank (Linux's default, stated because python -m training.launch starts
+        # ranks from a forkserver, whose context they would otherwise inherit): forked, they start with
+        # the readers imported, and as the rank's own children they notice when it dies and exit. Started
+        # by the forkserver, they outlived a killed rank and held torchrun's output open. A forked worker
+        # drops its copies of the rank's network sockets first: holding them, it kept a SIGKILLed rank's
+        # gloo connections open until it noticed the death (5 s), and the other ranks waited that long.
+        context = "fork" if sys.platform == "linux" and workers else None
+        loader = DataLoader(dataset, batch_size=None, num_workers=workers,
+                            prefetch_factor=self.prefetch if workers else None, multiprocessing_context=context,
+                            worker_init_fn=_drop_inherited_sockets if context == "fork" else None,
+                            generator=torch.Generator().manual_seed(self.seed + epoch))
+        xs, ys, have = [], [], 0
+        for x, y in loader:
+            xs.append(x)
+            ys.append(y)
+            have += len(y)
+            while have >= batch:
+                xcat, ycat = (torch.cat(xs), torch.cat(ys)) if len(xs) > 1 else (xs[0], ys[0])
+                yield xcat[:batch], ycat[:batch]
+                xs, ys = [xcat[batch:]], [ycat[batch:]]
+                have -= batch
