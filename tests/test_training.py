@@ -128,7 +128,7 @@ def test_uncommitted_checkpoint_is_invisible_to_resume(tmp_path):
     (later / ckpt.COMMIT_MARKER).unlink()  # as if killed before the marker landed
     (tmp_path / ".step-00000030.tmp").mkdir()  # a save killed mid-write
     assert ckpt.latest_valid(tmp_path) == good
-    with pytest.raises(ckpt.CheckpointError, match=r"step-00000020: no COMMITTED marker"):
+    with pytest.raises(ckpt.CheckpointFailure, match=r"step-00000020: no COMMITTED marker"):
         ckpt.verify(later)
 
 
@@ -138,13 +138,13 @@ def test_tampered_or_truncated_checkpoint_is_refused(tmp_path):
     data = bytearray((bad / "model.pt").read_bytes())
     data[-5] ^= 0xFF
     (bad / "model.pt").write_bytes(bytes(data))
-    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: sha256 does not match the manifest"):
+    with pytest.raises(ckpt.CheckpointFailure, match=r"model\.pt: sha256 does not match the manifest"):
         ckpt.verify(bad)
     skipped = []
     assert ckpt.latest_valid(tmp_path, log=skipped.append) == good
     assert "sha256 does not match" in skipped[0]
     (good / "model.pt").write_bytes(b"")
-    with pytest.raises(ckpt.CheckpointError, match=r"size 0 does not match the manifest .*truncated"):
+    with pytest.raises(ckpt.CheckpointFailure, match=r"size 0 does not match the manifest .*truncated"):
         ckpt.verify(good)
 
 
@@ -158,7 +158,7 @@ def test_checkpoint_loads_refuse_pickled_objects(tmp_path):
             return (print, ("pwned",))
 
     evil.write_bytes(pickle.dumps(Boom()))
-    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: cannot load as a tensor file"):
+    with pytest.raises(ckpt.CheckpointFailure, match=r"model\.pt: cannot load as a tensor file"):
         ckpt.load_tensors(evil)
 
 
@@ -194,7 +194,7 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
     import numpy as np
     import torch
 
-    from training.dataset.loader import EpochLoader
+    from training.data import EpochLoader
 
     if fmt == "tfrecord":
         ctx = make_ctx(tmp_path, digits_raw, lambda d: d["training"].update(data_format="tfrecord"))
@@ -223,8 +223,8 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
 def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
     import shutil
 
-    from training.dataset.reader import load_split
-    from training.failure import DataError
+    from training.data import load_split
+    from training.failure import DataFailure
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["training"].update(data_format=fmt))
     cache = Path(run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]["cache_dir"])
@@ -234,11 +234,11 @@ def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
     shard = copy / fmt / "test" / f"part-00000.{ext}"
     data = shard.read_bytes()
     shard.write_bytes(data[:-100])
-    with pytest.raises(DataError, match=rf"test/part-00000\.{ext}: size \d+ differs from the manifest"):
+    with pytest.raises(DataFailure, match=rf"test/part-00000\.{ext}: size \d+ differs from the manifest"):
         load_split(copy, "test", fmt=fmt)
     # Same size, damaged bytes (the warm-up's sha256 would catch it; the reader still names the file).
     shard.write_bytes(data[:40] + b"\xff" * 200 + data[240:])
-    with pytest.raises(DataError, match=rf"test/part-00000\.{ext}: "):
+    with pytest.raises(DataFailure, match=rf"test/part-00000\.{ext}: "):
         load_split(copy, "test", fmt=fmt)
 
 
@@ -304,7 +304,7 @@ def test_checkpoint_files_are_hashed_while_written(tmp_path):
     w.write_tensors("model.pt", {"w": torch.randn(8)})
     with open(w.tmp / "model.pt", "ab") as fh:
         fh.write(b"extra")
-    with pytest.raises(ckpt.CheckpointError, match="refusing to commit"):
+    with pytest.raises(ckpt.CheckpointFailure, match="refusing to commit"):
         w.commit()
     assert ckpt.latest_valid(tmp_path).name == final.name
 
@@ -332,7 +332,7 @@ def test_optimizer_state_split_over_ranks_merges_back(tmp_path):
     for k, v in sd["state"].items():
         assert torch.equal(fresh.state_dict()["state"][k]["exp_avg_sq"], v["exp_avg_sq"])
     (path / "optim-part2.pt").unlink()
-    with pytest.raises(ckpt.CheckpointError, match="optim-part2.pt: missing; .* in 3 parts"):
+    with pytest.raises(ckpt.CheckpointFailure, match="optim-part2.pt: missing; .* in 3 parts"):
         ckpt.load_optimizer(path, 3)
 
 
@@ -433,7 +433,7 @@ def test_forked_loader_worker_drops_the_ranks_tcp_sockets():
     import os
     import socket
 
-    from training.dataset import loader as data
+    from training import data
 
     tcp = socket.socket()
     tcp.bind(("127.0.0.1", 0))

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             ckpt.verify(path)
         state = ckpt.average(paths)
-    except ckpt.CheckpointError as exc:
+    except ckpt.CheckpointFailure as exc:
         print(f"average: {exc}", file=sys.stderr)
         return 1
     import torch

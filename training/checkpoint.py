@@ -32,15 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training.failure import TrainingFailure
+from training.failure import CheckpointFailure
 
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(TrainingFailure):
-    failure_class = "data"
 
 
 def step_dir_name(step: int) -> str:
@@ -73,24 +69,24 @@ def verify(path: Path) -> dict[str, Any]:
     """Full check: committed, and every file matches the manifest's size and sha256. Returns the manifest."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
+        raise CheckpointFailure(f"{path}: no such checkpoint directory")
     if not (path / COMMIT_MARKER).is_file():
-        raise CheckpointError(f"{path}: no {COMMIT_MARKER} marker; the save never finished, so it is not trusted")
+        raise CheckpointFailure(f"{path}: no {COMMIT_MARKER} marker; the save never finished, so it is not trusted")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path / MANIFEST}: unreadable checkpoint manifest ({exc})") from exc
+        raise CheckpointFailure(f"{path / MANIFEST}: unreadable checkpoint manifest ({exc})") from exc
     for name, meta in files.items():
         f = path / name
         if "/" in name or name.startswith("."):
-            raise CheckpointError(f"{path / MANIFEST}: file name {name!r} is not allowed")
+            raise CheckpointFailure(f"{path / MANIFEST}: file name {name!r} is not allowed")
         if not f.is_file():
-            raise CheckpointError(f"{f}: listed in the manifest but missing")
+            raise CheckpointFailure(f"{f}: listed in the manifest but missing")
         if f.stat().st_size != meta["size"]:
-            raise CheckpointError(f"{f}: size {f.stat().st_size} does not match the manifest ({meta['size']}); truncated?")
+            raise CheckpointFailure(f"{f}: size {f.stat().st_size} does not match the manifest ({meta['size']}); truncated?")
         if sha256_file(f) != meta["sha256"]:
-            raise CheckpointError(f"{f}: sha256 does not match the manifest; the file was changed or corrupted")
+            raise CheckpointFailure(f"{f}: sha256 does not match the manifest; the file was changed or corrupted")
     return manifest
 
 
@@ -109,7 +105,7 @@ def latest_valid(root: Path, log=print) -> Path | None:
         try:
             verify(path)
             return path
-        except CheckpointError as exc:
+        except CheckpointFailure as exc:
             log(f"checkpoint skipped: {exc}")
     return None
 
@@ -154,18 +150,18 @@ def load_optimizer(path: Path, parts: int) -> dict[str, Any]:
     for r in range(parts):
         f = path / f"optim-part{r}.pt"
         if not f.is_file():
-            raise CheckpointError(f"{f}: missing; this checkpoint's optimizer state is in {parts} parts")
+            raise CheckpointFailure(f"{f}: missing; this checkpoint's optimizer state is in {parts} parts")
         part = load_tensors(f)
         if not isinstance(part, dict) or not isinstance(part.get("state"), dict):
-            raise CheckpointError(f"{f}: not an optimizer state part")
+            raise CheckpointFailure(f"{f}: not an optimizer state part")
         overlap = merged["state"].keys() & part["state"].keys()
         if overlap:
-            raise CheckpointError(f"{f}: parameters {sorted(overlap)[:5]} are also in another part")
+            raise CheckpointFailure(f"{f}: parameters {sorted(overlap)[:5]} are also in another part")
         merged["state"].update(part["state"])
         if r == 0:
             merged["param_groups"] = part.get("param_groups")
     if merged["param_groups"] is None:
-        raise CheckpointError(f"{path / 'optim-part0.pt'}: no parameter groups")
+        raise CheckpointFailure(f"{path / 'optim-part0.pt'}: no parameter groups")
     return merged
 
 
@@ -176,7 +172,7 @@ def load_tensors(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for a bad file
-        raise CheckpointError(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointFailure(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc
 
 
 class _FileWriter:
@@ -344,7 +340,7 @@ class Writer:
                 side = self.tmp / f".{p.name}.sha256"
                 digest, size = side.read_text().split() if side.exists() else (sha256_file(p), p.stat().st_size)
                 if int(size) != p.stat().st_size:
-                    raise CheckpointError(f"{p}: {p.stat().st_size} bytes on disk, {size} written; refusing to commit")
+                    raise CheckpointFailure(f"{p}: {p.stat().st_size} bytes on disk, {size} written; refusing to commit")
                 files[p.name] = {"size": int(size), "sha256": digest}
                 side.unlink(missing_ok=True)
             self.write_json(MANIFEST, {"step": self.step, "created": time.time(), "files": files})
@@ -444,7 +440,7 @@ class AsyncSaver:
             self._thread = None
         if self._error is not None:
             exc, self._error = self._error, None
-            raise CheckpointError(f"{self.root}: checkpoint save failed: {exc}") from exc
+            raise CheckpointFailure(f"{self.root}: checkpoint save failed: {exc}") from exc
 
 
 def _set_policy(tid: int, policy: str) -> bool:
@@ -462,12 +458,12 @@ def average(paths: list[Path]) -> dict[str, Any]:
     import torch
 
     if not paths:
-        raise CheckpointError("no checkpoints to average")
+        raise CheckpointFailure("no checkpoints to average")
     states = [load_tensors(Path(p) / "model.pt") for p in paths]
     keys = states[0].keys()
     for p, st in zip(paths, states):
         if st.keys() != keys:
-            raise CheckpointError(f"{p}: holds other tensors than {paths[0]}; cannot average different models")
+            raise CheckpointFailure(f"{p}: holds other tensors than {paths[0]}; cannot average different models")
     out = {}
     for k in keys:
         t = states[0][k]

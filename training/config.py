@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.failure import ConfigError
+from training.failure import ConfigFailure
 from training.models import MODEL_NAMES
 
 
@@ -83,40 +83,40 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_NAMES:
-            raise ConfigError(f"model: unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
+            raise ConfigFailure(f"model: unknown model {self.model!r}; known: {', '.join(MODEL_NAMES)}")
         if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"optimizer: unknown optimizer {self.optimizer!r}; known: adamw, sgd")
+            raise ConfigFailure(f"optimizer: unknown optimizer {self.optimizer!r}; known: adamw, sgd")
         if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"precision: must be fp32, bf16 or fp16 (got {self.precision!r})")
+            raise ConfigFailure(f"precision: must be fp32, bf16 or fp16 (got {self.precision!r})")
         choices = {"parallelism": ("ddp", "fsdp"), "gradient_compression": ("none", "fp16", "bf16"),
                    "spike_action": ("alert", "rollback"), "data_format": ("petastorm", "tfrecord"),
                    "checkpoint_writer_priority": ("idle", "normal")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name}: must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
+                raise ConfigFailure(f"{name}: must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ConfigError(f"gpu_memory_fraction: must be in (0, 1] (got {self.gpu_memory_fraction})")
+            raise ConfigFailure(f"gpu_memory_fraction: must be in (0, 1] (got {self.gpu_memory_fraction})")
         if self.anomaly_checkpoint_min_steps < 0:
-            raise ConfigError(f"anomaly_checkpoint_min_steps: must be >= 0 (got {self.anomaly_checkpoint_min_steps})")
+            raise ConfigFailure(f"anomaly_checkpoint_min_steps: must be >= 0 (got {self.anomaly_checkpoint_min_steps})")
         for name in ("micro_batch_size", "grad_accum_steps", "epochs", "keep_last", "patience", "spike_window",
                      "stats_every_steps", "lr_plateau_patience", "loss_scale_growth_interval"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+                raise ConfigFailure(f"{name}: must be >= 1 (got {getattr(self, name)})")
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: cannot read run config ({exc})") from exc
+            raise ConfigFailure(f"{path}: cannot read run config ({exc})") from exc
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"{path}: unknown run config key(s): {', '.join(unknown)}")
+            raise ConfigFailure(f"{path}: unknown run config key(s): {', '.join(unknown)}")
         try:
             return cls(**data)
         except TypeError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
+            raise ConfigFailure(f"{path}: {exc}") from exc
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True))

@@ -50,15 +50,34 @@ class TrainingFailure(Exception):
             self.failure_class = failure_class
 
 
-class ConfigError(TrainingFailure):
+# Named "...Failure", not "...Error": the orchestrator's exception family (ballast.errors) has its own
+# DataError and CheckpointError, and a stage that meets one of these translates it by failure_class.
+
+
+class ConfigFailure(TrainingFailure):
+    """The run config cannot be trained as written (unknown model, inconsistent settings)."""
+
     failure_class = "config"
 
 
-class DataError(TrainingFailure):
+class DataFailure(TrainingFailure):
+    """The data on disk is missing or does not match its manifest; retrying reads the same bytes."""
+
     failure_class = "data"
 
 
-class DivergenceError(TrainingFailure):
+DataError = DataFailure  # TEMPORARY (c): until training/dataset (part b) imports DataFailure
+
+
+class CheckpointFailure(TrainingFailure):
+    """A checkpoint is uncommitted, damaged, or does not fit this run: class "data", a retry reads the same files."""
+
+    failure_class = "data"
+
+
+class DivergenceFailure(TrainingFailure):
+    """The loss or the gradients went non-finite; a resume from the last good checkpoint may get past it."""
+
     failure_class = "divergence"
 
 

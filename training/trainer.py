@@ -33,9 +33,8 @@ from typing import Any, Callable
 
 from training import checkpoint as ckpt
 from training.config import RunConfig
-from training.dataset.loader import EpochLoader
-from training.dataset.reader import Split, load_split
-from training.failure import EXIT_CODES, DataError, DivergenceError, Preempted, TrainingFailure, write_record
+from training.data import EpochLoader, Split, load_split
+from training.failure import EXIT_CODES, DataFailure, DivergenceFailure, Preempted, TrainingFailure, write_record
 from training.faults import Injector, load_faults
 from training.models import build_model, build_optimizer, keeping_optimizer_kernel
 from training.monitor import Metrics, Nvml, SpikeDetector, Watchdog, grad_stats, memory_bytes
@@ -202,8 +201,8 @@ class Trainer:
                                       wait_seconds=cfg.data_wait_seconds)
         self._val_data: Split | None = None  # loaded at the first evaluation: a staged cache may bring it later
         if tuple(self.train_data.decoder.shape) != tuple(cfg.input_shape):
-            raise DataError(f"{cfg.data_dir}: feature {cfg.feature!r} has shape {list(self.train_data.decoder.shape)},"
-                            f" the model expects {cfg.input_shape}")
+            raise DataFailure(f"{cfg.data_dir}: feature {cfg.feature!r} has shape {list(self.train_data.decoder.shape)},"
+                              f" the model expects {cfg.input_shape}")
 
         model = build_model(cfg.model, input_shape=cfg.input_shape, num_classes=cfg.num_classes,
                             hidden=cfg.hidden_size, dropout=cfg.dropout).to(self.dist.device)
@@ -376,9 +375,9 @@ class Trainer:
         mine = (self.cfg.model, self.cfg.input_shape, self.cfg.num_classes, self.cfg.hidden_size)
         theirs = (state["model"], state["input_shape"], state["num_classes"], state.get("hidden_size"))
         if mine != theirs:
-            raise ckpt.CheckpointError(f"{path}: checkpoint is for model {theirs[0]} {theirs[1]} -> {theirs[2]} classes"
-                                       f" (hidden {theirs[3]}), not this run's {mine[0]} {mine[1]} -> {mine[2]}"
-                                       f" (hidden {mine[3]}); refusing to resume")
+            raise ckpt.CheckpointFailure(f"{path}: checkpoint is for model {theirs[0]} {theirs[1]} -> {theirs[2]} classes"
+                                         f" (hidden {theirs[3]}), not this run's {mine[0]} {mine[1]} -> {mine[2]}"
+                                         f" (hidden {mine[3]}); refusing to resume")
         model_sd = ckpt.load_tensors(path / "model.pt")
         if self.cfg.resume_average_last > 1:
             recent = ckpt.committed(self.ckpt_root)[-self.cfg.resume_average_last:]
@@ -387,11 +386,11 @@ class Trainer:
         try:
             parts = state.get("optim_parts")
             if not isinstance(parts, int) or parts < 1:
-                raise ckpt.CheckpointError(f"{path / 'trainer.json'}: optim_parts is {parts!r}, expected the number"
-                                           f" of optimizer state files (optim-part<R>.pt); refusing to resume")
+                raise ckpt.CheckpointFailure(f"{path / 'trainer.json'}: optim_parts is {parts!r}, expected the number"
+                                             f" of optimizer state files (optim-part<R>.pt); refusing to resume")
             self._load_model_state(model_sd, ckpt.load_optimizer(path, parts))
         except (RuntimeError, ValueError, KeyError) as exc:
-            raise ckpt.CheckpointError(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
+            raise ckpt.CheckpointFailure(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
         scaler = ckpt.load_tensors(path / "scaler.pt")
         if scaler:
             self.scaler.load_state_dict({k: v.item() for k, v in scaler.items()})
@@ -575,8 +574,8 @@ class Trainer:
         self.skip.add((self.epoch, self.pos))
         self.saver.wait()
         self.save("anomaly", asynchronous=False)
-        raise DivergenceError(f"loss or gradients not finite at step {self.step + 1} (epoch {self.epoch}, batch"
-                              f" {self.pos}); last good state checkpointed, the batch will be skipped on resume")
+        raise DivergenceFailure(f"loss or gradients not finite at step {self.step + 1} (epoch {self.epoch}, batch"
+                                f" {self.pos}); last good state checkpointed, the batch will be skipped on resume")
 
     def _rollback(self) -> bool:
         """Back to the last committed checkpoint, with the current batch on the skip list."""

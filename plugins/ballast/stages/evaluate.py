@@ -18,8 +18,8 @@ def run(ctx: RunContext) -> dict:
     import torch.nn.functional as F
 
     from training import checkpoint as ckpt
-    from training.dataset.reader import load_split
-    from training.failure import DataError as TrainingDataError
+    from training.data import load_split
+    from training.failure import DataFailure
     from training.models import build_model
 
     spec = ctx.spec
@@ -29,7 +29,7 @@ def run(ctx: RunContext) -> dict:
     shape = list(feature.shape) or [1]
     try:
         test = load_split(Path(cache["cache_dir"]), "test", fmt=cache["format"], num_classes=spec.dataset.num_classes)
-    except TrainingDataError as exc:
+    except DataFailure as exc:
         raise DataError(str(exc)) from exc
     model = build_model(spec.training.model, input_shape=shape, num_classes=spec.dataset.num_classes,
                         hidden=spec.training.hidden_size)

@@ -23,7 +23,7 @@ def check(path: Path, ctx: RunContext) -> dict:
         manifest = ckpt.verify(path)
         state = ckpt.read_trainer_state(path)
         weights = ckpt.load_tensors(path / "model.pt")
-    except ckpt.CheckpointError as exc:
+    except ckpt.CheckpointFailure as exc:
         raise CheckpointError(str(exc)) from exc
     spec = ctx.spec
     feature = spec.dataset.features[0]
