@@ -194,7 +194,7 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
     import numpy as np
     import torch
 
-    from training.data import EpochLoader
+    from training.dataset.loader import EpochLoader
 
     if fmt == "tfrecord":
         ctx = make_ctx(tmp_path, digits_raw, lambda d: d["training"].update(data_format="tfrecord"))
@@ -223,7 +223,7 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
 def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
     import shutil
 
-    from training.data import load_split
+    from training.dataset.reader import load_split
     from training.failure import DataFailure
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["training"].update(data_format=fmt))
@@ -433,7 +433,7 @@ def test_forked_loader_worker_drops_the_ranks_tcp_sockets():
     import os
     import socket
 
-    from training import data
+    from training.dataset import loader as data
 
     tcp = socket.socket()
     tcp.bind(("127.0.0.1", 0))

@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 from training import checkpoint as ckpt
 from training.config import RunConfig
-from training.data import EpochLoader, Split, load_split
+from training.dataset.loader import EpochLoader
+from training.dataset.reader import Split, load_split
 from training.failure import EXIT_CODES, DataFailure, DivergenceFailure, Preempted, TrainingFailure, write_record
 from training.faults import Injector, load_faults
 from training.models import build_model, build_optimizer, keeping_optimizer_kernel

@@ -18,7 +18,7 @@ def run(ctx: RunContext) -> dict:
     import torch.nn.functional as F
 
     from training import checkpoint as ckpt
-    from training.data import load_split
+    from training.dataset.reader import load_split
     from training.failure import DataFailure
     from training.models import build_model
 
