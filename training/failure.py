@@ -66,9 +66,6 @@ class DataFailure(TrainingFailure):
     failure_class = "data"
 
 
-DataError = DataFailure  # TEMPORARY (c): until training/dataset (part b) imports DataFailure
-
-
 class CheckpointFailure(TrainingFailure):
     """A checkpoint is uncommitted, damaged, or does not fit this run: class "data", a retry reads the same files."""
 
