@@ -18,8 +18,8 @@ from typing import Any, Iterator
 
 from ballast.errors import DataError
 from ballast.spec import DatasetSpec, FieldSpec
-from training.dataset.format import (FORMAT_VERSION, FeatureLayout, encode_images, encode_npy, numpy_dtype,
-                                     tfrecord_examples)
+from training.dataset.format import (FORMAT_VERSION, FeatureLayout, encode_images, encode_npy, npy_header, numpy_dtype,
+                                     tfrecord_examples, tfrecord_value)
 from training.failure import DataFailure
 
 __all__ = ["FORMAT_VERSION", "SPLITS", "FeatureEncoder", "feature_layout", "layout", "plan_chunks", "read_chunk",
@@ -211,15 +211,21 @@ def write_shard(staging: Path, split: str, shard: int, feature: Any, labels: Any
 
 
 def _write_tfrecord(path: Path, feature: Any, labels: Any, layout: FeatureLayout, label_name: str) -> None:
-    """The shard's tf.train.Example records (training.dataset.format) in TFRecord framing, the tfrecord
-    package's: length, masked CRC32C of the length, record, masked CRC32C of the record."""
+    """The shard's tf.train.Example records (training.dataset.format: raw tensor bytes, not the .npy
+    file Petastorm keeps) in TFRecord framing, the tfrecord package's: length, masked CRC32C of the
+    length, record, masked CRC32C of the record."""
     import struct
 
     from tfrecord.writer import TFRecordWriter
 
+    header = npy_header(layout.numpy_dtype, layout.shape) if layout.codec == "ndarray" else b""
+    try:
+        values = [tfrecord_value(layout, v, header) for v in feature.to_pylist()]
+    except DataFailure as exc:
+        raise DataError(str(exc)) from exc
     crc = TFRecordWriter.masked_crc
     with open(path, "wb") as out:
-        for record in tfrecord_examples(layout, label_name, feature.to_pylist(), labels.tolist()):
+        for record in tfrecord_examples(layout, label_name, values, labels.tolist()):
             length = struct.pack("<Q", len(record))
             out.write(length + crc(length) + record + crc(record))
 

@@ -8,8 +8,12 @@ Layout of a converted dataset (see ballast.packing for how it is written):
     petastorm/<split>/part-NNNNN.parquet   Petastorm: the feature as its Petastorm codec writes it
                                            (`NdarrayCodec`: a whole .npy file; `CompressedImageCodec`:
                                            PNG or JPEG), the label an int64 column
-    tfrecord/<split>/part-NNNNN.tfrecord   tf.train.Example records: the same encoded feature bytes
-                                           (bytes_list) and the label (int64_list)
+    tfrecord/<split>/part-NNNNN.tfrecord   tf.train.Example records, as TensorFlow parses them:
+                                             <name>         bytes_list: the raw little-endian tensor bytes
+                                                            (codec ndarray, no header) or the PNG/JPEG file
+                                             <name>/shape   int64_list: the feature's shape, e.g. [8, 8]
+                                             <name>/dtype   bytes_list: its dtype name, e.g. b"float32"
+                                             <label>        int64_list: the class
     manifest.json                          written last: the feature layout, the label, every file
                                            with split, rows, bytes, sha256 and Parquet row groups
 
@@ -28,7 +32,8 @@ import numpy as np
 
 from training.failure import DataFailure
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""3: TFRecord numeric features hold raw tensor bytes with <name>/shape and <name>/dtype (2: a .npy file)."""
 
 IMAGE_CODECS = ("png", "jpeg")
 
@@ -196,15 +201,37 @@ def decode_images(layout: FeatureLayout, values: list[bytes] | Any, where: str) 
 # --- TFRecord: tf.train.Example as TensorFlow parses it -------------------------------------------------
 
 
+def shape_key(layout: FeatureLayout) -> str:
+    return f"{layout.name}/shape"
+
+
+def dtype_key(layout: FeatureLayout) -> str:
+    return f"{layout.name}/dtype"
+
+
+def tfrecord_value(layout: FeatureLayout, encoded: bytes, header: bytes = b"") -> bytes:
+    """The TFRecord bytes of one encoded value: an NdarrayCodec .npy file loses its header (`header`,
+    from npy_header) so that tf.io.decode_raw reads exactly the tensor; images stay PNG/JPEG."""
+    if layout.codec in IMAGE_CODECS:
+        return encoded
+    if not encoded.startswith(header) or len(encoded) != len(header) + layout.tensor_bytes:
+        raise DataFailure(f"{layout.name}: an encoded value is not a {layout.dtype} {list(layout.shape)} .npy file")
+    return encoded[len(header):]
+
+
 def tfrecord_examples(layout: FeatureLayout, label_name: str, values: list[bytes], labels: list[int]) -> list[bytes]:
     """Serialised tf.train.Example records (the tfrecord package's protobuf classes), map keys sorted, so
     that the bytes depend only on the rows (protobuf's default map order does not)."""
     from tfrecord import example_pb2
 
+    shape = example_pb2.Feature(int64_list=example_pb2.Int64List(value=list(layout.shape)))
+    dtype = example_pb2.Feature(bytes_list=example_pb2.BytesList(value=[layout.dtype.encode()]))
     out = []
     for value, lab in zip(values, labels):
         example = example_pb2.Example(features=example_pb2.Features(feature={
             layout.name: example_pb2.Feature(bytes_list=example_pb2.BytesList(value=[value])),
+            shape_key(layout): shape,
+            dtype_key(layout): dtype,
             label_name: example_pb2.Feature(int64_list=example_pb2.Int64List(value=[int(lab)])),
         }))
         out.append(example.SerializeToString(deterministic=True))
@@ -212,5 +239,6 @@ def tfrecord_examples(layout: FeatureLayout, label_name: str, values: list[bytes
 
 
 def tfrecord_description(layout: FeatureLayout, label_name: str) -> dict[str, str]:
-    """What the reader asks the tfrecord package for: the value and the label."""
+    """What the reader asks the tfrecord package for: the value and the label (shape and dtype are the
+    manifest's; a value of another size is refused when decoded)."""
     return {layout.name: "byte", label_name: "int"}

@@ -1,8 +1,9 @@
 """Reading blocks of the converted dataset from the node-local cache, and whole splits.
 
 A block (training.dataset.format) is a Parquet row group of the Petastorm dataset or a whole TFRecord
-shard. The feature is decoded by its codec: .npy files (NdarrayCodec) or PNG/JPEG images. No torch
-here: evaluation reads whole splits without a DataLoader.
+shard. The feature is decoded by its codec: .npy files (Petastorm, NdarrayCodec) or raw tensor bytes
+(TFRecord), PNG/JPEG for images in both. No torch here: evaluation reads whole splits without a
+DataLoader.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Decoder:
     def __init__(self, feature: dict, fmt: str = "petastorm"):
         self.layout = FeatureLayout.from_manifest(feature)
         self.name, self.shape, self.codec = self.layout.name, self.layout.shape, self.layout.codec
-        self.header = npy_header(self.layout.numpy_dtype, self.shape)  # both formats hold NdarrayCodec's .npy files
+        # Petastorm holds NdarrayCodec's .npy files, TFRecord the bare tensor bytes.
+        self.header = npy_header(self.layout.numpy_dtype, self.shape) if fmt == "petastorm" else b""
 
     def decode(self, values: list[bytes] | Any, where: str) -> np.ndarray:
         if self.codec == "ndarray":
