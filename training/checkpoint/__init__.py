@@ -1,0 +1,42 @@
+"""Checkpoints: written by every rank, trusted only once committed, loaded without unpickling.
+
+One module per responsibility, none of which imports torch at import time (the verification stage
+and `ballast.storage` import this package in the orchestrator):
+
+    commit    the layout, the commit protocol and the one validity predicate (`verify`, `latest_valid`)
+    fileio    the O_DIRECT writer that hashes while writing, `sha256_file`, the tensor-only loader
+    sharding  the optimizer state in parts, one share per rank, merged at load
+    saver     the background writer (`AsyncSaver`), at idle CPU priority where asked
+    average   the mean of the last checkpoints' weights, and the export CLI (`python -m training.average`)
+
+Callers use the package: `from training import checkpoint as ckpt; ckpt.verify(path)`.
+"""
+
+from __future__ import annotations
+
+from training.checkpoint.average import average
+from training.checkpoint.commit import (
+    COMMIT_MARKER,
+    MANIFEST,
+    TRAINER_STATE,
+    Writer,
+    committed,
+    is_committed,
+    latest_valid,
+    prune,
+    read_trainer_state,
+    step_dir_name,
+    verify,
+)
+from training.checkpoint.fileio import _FileWriter  # noqa: F401  (the tests spy on its writes)
+from training.checkpoint.fileio import load_tensors, sha256_file, staging_buffer
+from training.checkpoint.saver import AsyncSaver
+from training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
+from training.failure import CheckpointFailure
+
+__all__ = [
+    "COMMIT_MARKER", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
+    "committed", "is_committed", "latest_valid", "load_optimizer", "load_tensors", "optimizer_part",
+    "optimizer_shares", "prune", "read_trainer_state", "sha256_file", "staging_buffer",
+    "step_dir_name", "verify",
+]

@@ -1,0 +1,140 @@
+"""Checkpoint file I/O: the O_DIRECT writer that hashes as it writes, and the tensor-only loader.
+
+Kept apart from the commit protocol (commit.py): this module knows how bytes reach the disk and come
+back, not which files make a checkpoint or when it may be trusted. Importing it does not import torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from training.failure import CheckpointFailure
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """The sha256 of a file, read in chunks (a checkpoint file may not fit in memory twice)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_tensors(path: Path) -> Any:
+    """Load a tensor file without unpickling arbitrary objects."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for a bad file
+        raise CheckpointFailure(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc
+
+
+class _FileWriter:
+    """Writes one checkpoint file, hashing (sha256) and counting what goes through it.
+
+    The bytes go through a reused, page-aligned staging buffer and reach the file with O_DIRECT where
+    the filesystem takes it: a checkpoint of ~1 GB then neither allocates ~1 GB of page cache (on a
+    small VM here, the first buffered write of 0.55 GB cost 1.3 s of kernel time against 0.01 s direct)
+    nor pushes the data shards a staged cache keeps warm out of it. Each staged slice is hashed while it
+    is in the CPU cache. A large tensor whose memory is page-aligned (the snapshot buffers are) and
+    whose record starts on a block boundary in the file (`Writer.write_tensors` aligns records to
+    4096) skips the staging copy: its blocks go from the snapshot to the disk. Where O_DIRECT is
+    refused (tmpfs, some network filesystems, macOS) the same slices go through ordinary buffered
+    writes. The file is fsynced at close.
+    """
+
+    BLOCK = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
+
+    def __init__(self, path: Path, staging: Any):
+        self.path = path
+        self.view = memoryview(staging)
+        self.digest, self.size, self.pos, self.written = hashlib.sha256(), 0, 0, 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = False
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError:
+                pass
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
+
+    def write(self, data) -> int:
+        src = memoryview(data).cast("B")
+        n, at = src.nbytes, 0
+        if self.direct and n >= len(self.view) and (self.written + self.pos) % self.BLOCK == 0 \
+                and _address(src) % self.BLOCK == 0:
+            if self.pos:
+                self._drain(self.pos)  # what is staged: whole blocks, as the record starts on a block
+            at = n - n % self.BLOCK
+            for lo in range(0, at, len(self.view)):
+                self._emit(src[lo:min(lo + len(self.view), at)])
+        while at < n:
+            k = min(n - at, len(self.view) - self.pos)
+            self.view[self.pos:self.pos + k] = src[at:at + k]
+            self.pos += k
+            at += k
+            if self.pos == len(self.view):
+                self._drain(self.pos)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass  # torch.save flushes; the staging buffer is drained in whole blocks, the rest at close
+
+    def _drain(self, length: int) -> None:
+        end = length
+        if self.direct and length % self.BLOCK:  # the last slice: zero-padded, the file truncated after
+            end = -(-length // self.BLOCK) * self.BLOCK
+            self.view[length:end] = bytes(end - length)
+        self._emit(self.view[:end], length)
+        self.pos = 0
+
+    def _emit(self, out: memoryview, length: int | None = None) -> None:
+        """Hash the first `length` bytes of `out` (all of it by default) and write `out`."""
+        length = out.nbytes if length is None else length
+        self.digest.update(out[:length])
+        while out.nbytes:
+            try:
+                done = os.write(self.fd, out)
+            except OSError:
+                if not self.direct or self.written:
+                    raise
+                # Accepted at open, refused at the first write (some FUSE and network filesystems):
+                # nothing is on disk yet, so start again with buffered writes.
+                os.close(self.fd)
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self.direct = False
+                out = out[:length]
+                continue
+            out = out[done:]
+            self.written += done
+
+    def close(self) -> None:
+        try:
+            if self.pos:
+                self._drain(self.pos)
+            if self.direct:
+                os.ftruncate(self.fd, self.size)
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+def _address(buf: memoryview) -> int:
+    """Where a (possibly read-only) buffer's bytes start in memory."""
+    import numpy as np
+
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def staging_buffer(size: int = 8 << 20) -> Any:
+    """A page-aligned buffer (anonymous mmap) for _FileWriter; keep one per saver and reuse it."""
+    import mmap
+
+    return mmap.mmap(-1, size)

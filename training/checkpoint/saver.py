@@ -1,0 +1,100 @@
+"""The background checkpoint writer: one save in flight, at idle CPU priority where asked.
+
+Kept apart from the commit protocol: this module decides *when and on which thread* a checkpoint is
+written; commit.py decides what a written checkpoint is. Importing it does not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from training.checkpoint.commit import Writer, prune
+from training.checkpoint.fileio import staging_buffer
+from training.failure import CheckpointFailure
+
+
+class AsyncSaver:
+    """Writes checkpoint snapshots in a background thread, one save in flight at a time.
+
+    Training is blocked only while the snapshot is taken (a CPU copy of the state). The writer's
+    barriers run on a process group of their own (`barrier`), never on the training group, so its
+    collectives cannot interleave with training's (the hang seen with async_save on the training group).
+
+    With `idle`, the background writer runs in Linux's SCHED_IDLE class: it gets a core only when
+    nothing else wants it, so hashing and serialising ~1 GB does not take CPU time from training (on
+    a 2-core machine running two ranks, a save at normal priority cost each step loop ~0.5 s). A
+    caller that waits for the write (the next save, the end of the run) leaves its own core idle,
+    which the writer then gets; the writer is also put back to normal priority where the process is
+    allowed to (raising a priority may need CAP_SYS_NICE). Synchronous saves run in the caller's
+    thread at its priority.
+    """
+
+    def __init__(self, root: Path, *, rank: int, barrier: Callable[[], Any], keep_last: int,
+                 log: Callable[[str], Any] = print, idle: bool = False,
+                 on_written: Callable[[int, float], Any] | None = None):
+        self.root = Path(root)
+        self.rank = rank
+        self.barrier = barrier
+        self.keep_last = keep_last
+        self.log = log
+        self.idle = idle
+        self.on_written = on_written  # (step, seconds), from the writer once a checkpoint is committed
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_path: Path | None = None
+        self._staging = staging_buffer()  # one save at a time: the writer's staging buffer is reused
+
+    def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
+             asynchronous: bool = True) -> None:
+        self.wait()
+        args = (step, tensors, jsons, keep)
+        if not asynchronous:
+            self._write(*args)
+            self.wait()
+            return
+        self._thread = threading.Thread(target=self._write, args=args, name=f"ckpt-{step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], keep: set[int]) -> None:
+        t0 = time.monotonic()
+        if self.idle and threading.current_thread() is self._thread:
+            _set_policy(0, "SCHED_IDLE")
+        try:
+            w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self._staging)
+            w.begin()
+            for name, obj in tensors.items():
+                w.write_tensors(name, obj, zip_crc=name == "model.pt")
+            for name, obj in jsons.items():
+                w.write_json(name, obj)
+            self.last_path = w.commit()
+            if self.rank == 0:
+                prune(self.root, keep_last=self.keep_last, keep=keep)
+            if self.on_written is not None:
+                self.on_written(step, time.monotonic() - t0)
+        except BaseException as exc:  # surfaced to the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            if self.idle and self._thread.is_alive() and self._thread.native_id is not None:
+                _set_policy(self._thread.native_id, "SCHED_OTHER")  # someone waits for it now
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise CheckpointFailure(f"{self.root}: checkpoint save failed: {exc}") from exc
+
+
+def _set_policy(tid: int, policy: str) -> bool:
+    """Set a thread's scheduling policy (Linux: per thread; 0 = the calling thread); False where the
+    OS has no such policy or refuses the change."""
+    try:
+        os.sched_setscheduler(tid, getattr(os, policy), os.sched_param(0))
+        return True
+    except (AttributeError, OSError):
+        return False
