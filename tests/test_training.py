@@ -169,6 +169,34 @@ def test_prune_keeps_last_k_and_best(tmp_path):
     assert [p.name for p in ckpt.committed(tmp_path)] == ["step-00000020", "step-00000040", "step-00000050"]
 
 
+def test_checkpoint_recorded_model_rebuilds_the_model_without_the_spec(tmp_path):
+    import torch
+
+    from training.models import build_model
+
+    section = {"model": "mlp", "input_shape": [4, 4], "num_classes": 3, "hidden_size": 16, "dropout": 0.2}
+    trained = build_model("mlp", input_shape=[4, 4], num_classes=3, hidden=16, dropout=0.2)
+    w = ckpt.Writer(tmp_path, 10, rank=0, barrier=lambda: None)
+    w.begin()
+    w.write_tensors("model.pt", trained.state_dict())
+    w.write_json("trainer.json", {"step": 10, **section})
+    good = w.commit()
+    recorded = ckpt.recorded_model(good)
+    assert recorded == section
+    rebuilt = build_model(recorded["model"], input_shape=recorded["input_shape"], num_classes=recorded["num_classes"],
+                          hidden=recorded["hidden_size"], dropout=recorded["dropout"])
+    rebuilt.load_state_dict(ckpt.load_tensors(good / "model.pt"))  # the recorded shapes fit the weights
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), trained.state_dict().values()))
+
+    old = _fake_checkpoint(tmp_path, 20)  # trainer.json of a version that recorded no model
+    with pytest.raises(ckpt.CheckpointFailure, match=r"step-00000020/trainer\.json: records no model, input_shape,"
+                                                     r" num_classes, hidden_size; the model cannot be rebuilt"):
+        ckpt.recorded_model(old)
+    (old / "trainer.json").unlink()
+    with pytest.raises(ckpt.CheckpointFailure, match=r"step-00000020/trainer\.json: unreadable trainer state"):
+        ckpt.recorded_model(old)
+
+
 def test_launch_specs_are_pure_functions():
     spec = load_spec(EXAMPLE_SPEC)
     argv = torchrun_argv(spec, "/run/cfg.json", python="/py")

@@ -25,6 +25,7 @@ from training.checkpoint.commit import (
     latest_valid,
     prune,
     read_trainer_state,
+    recorded_model,
     step_dir_name,
     verify,
 )
@@ -37,6 +38,6 @@ from training.failure import CheckpointFailure
 __all__ = [
     "COMMIT_MARKER", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
     "committed", "is_committed", "latest_valid", "load_optimizer", "load_tensors", "optimizer_part",
-    "optimizer_shares", "prune", "read_trainer_state", "sha256_file", "staging_buffer",
+    "optimizer_shares", "prune", "read_trainer_state", "recorded_model", "sha256_file", "staging_buffer",
     "step_dir_name", "verify",
 ]

@@ -8,7 +8,7 @@ Layout of a checkpoint directory `step-00000040/`:
                            part from the gathered state. Part 0 holds the parameter groups.
     rng-rank<R>.pt         every rank's RNG state
     trainer.json           step, epoch, position in the epoch, metric history, early-stopping state, and
-                           the model section it was trained with
+                           the model section it was trained with (what `recorded_model` returns)
     manifest.json          size and sha256 of every file above
     COMMITTED              written last, after the directory got its final name
 
@@ -40,6 +40,9 @@ COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+# What trainer.json must record for the model to be rebuilt from the checkpoint alone.
+_MODEL_FIELDS = ("model", "input_shape", "num_classes", "hidden_size")
+_MODEL_OPTIONAL = ("dropout",)
 
 
 def step_dir_name(step: int) -> str:
@@ -121,6 +124,23 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointFailure(f"{f}: trainer state is a JSON {type(state).__name__}, expected an object")
     return state
+
+
+def recorded_model(path: Path) -> dict[str, Any]:
+    """What the checkpoint records about the model it holds: model, input_shape, num_classes and
+    hidden_size (and dropout where recorded), enough to rebuild it without the spec that trained it.
+
+    The stages rebuild the model from this rather than from the spec, so a checkpoint loaded against a
+    spec edited since (another width, another feature shape) fails here, naming the file, instead of in
+    load_state_dict with a tensor-shape message."""
+    state = read_trainer_state(path)
+    missing = [k for k in _MODEL_FIELDS if state.get(k) is None]
+    if missing:
+        raise CheckpointFailure(f"{Path(path) / TRAINER_STATE}: records no {', '.join(missing)}; the model cannot be"
+                                " rebuilt from this checkpoint (save it again with the current trainer)")
+    out = {k: state[k] for k in _MODEL_FIELDS + _MODEL_OPTIONAL if k in state}
+    out["input_shape"] = list(out["input_shape"])
+    return out
 
 
 class Writer:
