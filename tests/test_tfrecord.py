@@ -1,0 +1,226 @@
+"""The TFRecord shards as TensorFlow users read them: the README's recipe gives back every array exactly.
+
+The shards are written by `ballast.packing.write_shard`, what both conversion engines call (the Spark
+engine's output is byte-identical to the arrow engine's: tests/test_convert_spark.py). They are parsed
+with the feature description the README documents, through the `tfrecord` package here, and through
+TensorFlow itself when BALLAST_TF_PYTHON names a Python that has it (TensorFlow is not in the
+project's environment; `python3.11 -m venv /tmp/tfenv && /tmp/tfenv/bin/pip install tensorflow-cpu`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ballast.packing import FeatureEncoder, write_shard
+from ballast.spec import FieldSpec
+
+from training.dataset.format import FORMAT_VERSION
+from training.dataset.reader import load_split
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+# (spec type, shape, codec): a tensor of each numeric spec type, and images TensorFlow decodes.
+CASES = [
+    ("float32", (8, 8), "auto"),
+    ("float64", (3, 2, 2), "auto"),
+    ("int32", (5,), "auto"),
+    ("int64", (2, 3), "auto"),
+    ("bool", (4, 4), "auto"),
+    ("uint8", (8, 8), "ndarray"),
+    ("uint8", (8, 8), "png"),
+    ("uint8", (6, 5, 3), "png"),
+]
+
+
+def _values(dtype: str, shape: tuple[int, ...], n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype.startswith("float"):
+        return rng.normal(size=(n, *shape)).astype(dtype)
+    if dtype == "bool":
+        return rng.integers(0, 2, size=(n, *shape)).astype(bool)
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -2**40), min(info.max, 2**40), size=(n, *shape), dtype=dtype, endpoint=True)
+
+
+def write_dataset(root: Path, dtype: str, shape: tuple[int, ...], codec: str,
+                  n: int = 30) -> tuple[np.ndarray, np.ndarray]:
+    """Two TFRecord shards of the train split and their manifest; returns (features, labels) as written."""
+    field = FieldSpec(name="image", type=dtype, shape=shape, codec=codec)
+    enc = FeatureEncoder(field)
+    x = _values(dtype, shape, n)
+    y = np.arange(n, dtype=np.int64) % 10
+    entries = []
+    for shard, rows in enumerate((slice(0, n // 2), slice(n // 2, n))):
+        entries += write_shard(root, "train", shard, enc.encode(x[rows]), y[rows], formats=("tfrecord",),
+                               layout=enc.layout, label_name="label", row_group_rows=8)
+    manifest = {"format_version": FORMAT_VERSION, "feature": enc.layout.to_manifest(),
+                "label": {"name": "label", "num_classes": 10}, "files": entries}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return x, y
+
+
+def readme_recipe() -> str:
+    """The Python block of the README's "Reading the TFRecord shards from TensorFlow" paragraph."""
+    text = README.read_text()
+    at = text.index("**Reading the TFRecord shards from TensorFlow.**")
+    match = re.compile(r"```python\n(.*?)```", re.S).search(text, at)
+    assert match, "README: the TFRecord paragraph has no ```python block"
+    return match.group(1)
+
+
+class TensorFlowByTheTfrecordPackage:
+    """The TensorFlow calls the README's recipe makes, done by the tfrecord package (record framing, Example
+    parsing with the recipe's own feature description) and numpy/OpenCV (decode_raw, decode_image), so
+    that the recipe itself runs here, where TensorFlow is not installed. Records what it was asked."""
+
+    string, int64 = "string", "int64"
+
+    def __init__(self):
+        self.descriptions: list[dict] = []
+        tf = self
+
+        class io:  # noqa: N801
+            @staticmethod
+            def FixedLenFeature(shape, dtype):  # noqa: N802
+                return (dtype, list(shape))
+
+            @staticmethod
+            def parse_single_example(record, description):
+                from tfrecord import example_pb2
+                from tfrecord.reader import extract_feature_dict
+
+                tf.descriptions.append(description)
+                types = {k: {"string": "byte", "int64": "int"}[t] for k, (t, _) in description.items()}
+                features = example_pb2.Example.FromString(bytes(record)).features
+                parsed = extract_feature_dict(features, types, {"byte": "bytes_list", "int": "int64_list"})
+                out = {}
+                for key, (t, shape) in description.items():
+                    value = parsed[key]
+                    if t == "string":
+                        assert shape == [], key
+                        out[key] = bytes(value)  # one bytes value, as FixedLenFeature([], tf.string)
+                    else:
+                        assert list(np.shape(value)) == (shape or [1]), (key, np.shape(value), shape)
+                        out[key] = np.asarray(value, np.int64).reshape(shape)
+                return out
+
+            @staticmethod
+            def decode_raw(value, dtype):
+                return np.frombuffer(value, dtype=np.dtype(dtype).newbyteorder("<"))
+
+            @staticmethod
+            def decode_image(value, expand_animations=True):
+                import cv2
+
+                img = cv2.imdecode(np.frombuffer(value, np.uint8), cv2.IMREAD_UNCHANGED)
+                return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if img.ndim == 3 else img[..., None]
+
+            class gfile:  # noqa: N801
+                @staticmethod
+                def glob(pattern):
+                    import glob
+
+                    return glob.glob(pattern)
+
+        class dtypes:  # noqa: N801
+            as_dtype = staticmethod(lambda name: name)
+
+        class data:  # noqa: N801
+            class TFRecordDataset:
+                def __init__(self, files):
+                    self.files = files
+
+                def map(self, fn):
+                    from tfrecord.reader import tfrecord_iterator
+
+                    return [fn(rec) for path in self.files for rec in tfrecord_iterator(path)]
+
+        self.io, self.dtypes, self.data = io, dtypes, data
+
+    @staticmethod
+    def reshape(x, shape):
+        return np.reshape(x, tuple(int(d) for d in shape))
+
+
+def read_with_the_readme_recipe(root: Path, split: str, tf) -> list:
+    """Run the README's recipe with `tf` for TensorFlow: its read_split(root, split)."""
+    namespace: dict = {"tf": tf, "__name__": "readme_recipe"}
+    recipe = readme_recipe().replace("import tensorflow as tf\n", "")
+    exec(compile(recipe, "<README.md: the TFRecord recipe>", "exec"), namespace)  # noqa: S102
+    return list(namespace["read_split"](str(root), split))
+
+
+@pytest.mark.parametrize("dtype,shape,codec", CASES)
+def test_the_readme_recipe_on_the_tfrecord_package_gives_back_every_array(tmp_path, dtype, shape, codec):
+    x, y = write_dataset(tmp_path, dtype, shape, codec)
+    tf = TensorFlowByTheTfrecordPackage()
+    got = read_with_the_readme_recipe(tmp_path, "train", tf)
+    assert tf.descriptions[0] == {"image": ("string", []), "image/shape": ("int64", [len(shape)]),
+                                  "image/dtype": ("string", []), "label": ("int64", [])}
+    assert len(got) == len(x)
+    for (gx, gy), vx, vy in zip(got, x, y):
+        # a float32 [8, 8] comes back as 64 floats equal to the input (the .npy header made it 96)
+        assert gx.shape == vx.shape and gx.dtype == vx.dtype and np.array_equal(gx, vx), (dtype, shape, codec)
+        assert int(gy) == int(vy)
+    first = next((tmp_path / "tfrecord" / "train").glob("*.tfrecord"))
+    from tfrecord.reader import tfrecord_loader
+
+    rec = next(iter(tfrecord_loader(str(first), None, {"image": "byte", "image/shape": "int", "image/dtype": "byte"})))
+    assert list(rec["image/shape"]) == list(shape) and bytes(rec["image/dtype"]) == dtype.encode()
+    if codec == "png":
+        assert bytes(rec["image"])[:8] == b"\x89PNG\r\n\x1a\n"  # the image file, as tf.io.decode_image reads it
+    else:
+        assert len(bytes(rec["image"])) == np.dtype(dtype).itemsize * int(np.prod(shape))  # no header
+    # Our own reader follows the same encoding.
+    split = load_split(tmp_path, "train", fmt="tfrecord")
+    assert np.array_equal(split.features, x.astype(np.float32)) and np.array_equal(split.labels, y)
+
+
+def test_tfrecord_shards_are_byte_identical_across_writes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_dataset(a, "float32", (8, 8), "auto")
+    write_dataset(b, "float32", (8, 8), "auto")
+    for shard in sorted((a / "tfrecord" / "train").glob("*.tfrecord")):
+        assert shard.read_bytes() == (b / "tfrecord" / "train" / shard.name).read_bytes()
+
+
+TF_SCRIPT = """
+import sys
+
+import numpy as np
+
+exec(open(sys.argv[1]).read())  # the README's recipe: defines read_split
+xs, ys = [], []
+for x, y in read_split(sys.argv[2], "train"):
+    xs.append(x.numpy())
+    ys.append(int(y.numpy()))
+np.savez(sys.argv[3], x=np.stack(xs), y=np.asarray(ys, np.int64))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("BALLAST_TF_PYTHON"),
+                    reason="BALLAST_TF_PYTHON is not set: point it at a Python with TensorFlow (not in .venv)")
+def test_tensorflow_reads_the_shards_with_the_readme_recipe(tmp_path):
+    python = os.environ["BALLAST_TF_PYTHON"]
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text(readme_recipe())
+    script = tmp_path / "read.py"
+    script.write_text(TF_SCRIPT)
+    for i, (dtype, shape, codec) in enumerate(CASES):
+        root = tmp_path / f"case{i}"
+        root.mkdir()
+        x, y = write_dataset(root, dtype, shape, codec)
+        out = tmp_path / f"case{i}.npz"
+        run = subprocess.run([python, str(script), str(recipe), str(root), str(out)], capture_output=True, text=True,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+        assert run.returncode == 0, f"{dtype} {list(shape)} {codec}: {run.stderr[-2000:]}"
+        with np.load(out, allow_pickle=False) as got:
+            assert got["x"].dtype == x.dtype and got["x"].shape == x.shape, (dtype, shape, codec)
+            assert np.array_equal(got["x"], x), (dtype, shape, codec)
+            assert np.array_equal(got["y"], y)
