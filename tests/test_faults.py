@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ballast.launch import run_config
+from ballast.launch_spec import run_config
 from ballast.spec import parse_spec
 from ballast.stages import convert, validate, warm_cache
 from conftest import example_data
@@ -31,7 +31,9 @@ def cache(tmp_path_factory, digits_raw) -> dict:
     return run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
 
 
-def config(tmp: Path, cache: dict, *, epochs: int = 2, edit=None, **overrides) -> Path:
+def config(tmp: Path, cache: dict, *, epochs: int = 2, edit=None, changes: dict | None = None) -> Path:
+    """A run config from the example spec (after `edit(d)`), with `{"section.field": value}` changes
+    written as given, unvalidated: a bad value reaches the trainer's own check."""
     d = example_data()
     d["training"].update(epochs=epochs, processes_per_node=1, global_batch_size=32)
     d["evaluation"]["patience"] = 50
@@ -39,9 +41,16 @@ def config(tmp: Path, cache: dict, *, epochs: int = 2, edit=None, **overrides) -
         edit(d)
     cfg = run_config(parse_spec(d), data_dir=cache["cache_dir"], data_format=cache["format"],
                      checkpoint_dir=str(tmp / "ckpt"), output_dir=str(tmp / "out"))
-    cfg.update(overrides)
+    data = cfg.model_dump(mode="json")
+    for dotted, value in (changes or {}).items():
+        *head, last = dotted.split(".")
+        node = data
+        for part in head:
+            node = node[part]
+        assert last in node, f"{dotted}: not a run config field"
+        node[last] = value
     path = tmp / "run.json"
-    path.write_text(json.dumps(cfg))
+    path.write_text(json.dumps(data))
     return path
 
 
@@ -56,7 +65,7 @@ def record(tmp: Path) -> dict:
 
 @pytest.mark.parametrize("kind,cls", [("oom", "oom"), ("error", "user_code"), ("comm", "communication")])
 def test_injected_fault_gives_class_exit_code_and_record(tmp_path, cache, kind, cls):
-    proc = run_single(config(tmp_path, cache, faults=[{"kind": kind, "step": 7}]))
+    proc = run_single(config(tmp_path, cache, changes={"rehearsal.faults": [{"kind": kind, "step": 7}]}))
     assert proc.returncode == EXIT_CODES[cls], proc.stderr[-2000:]
     rec = record(tmp_path)
     assert rec["class"] == cls and rec["step"] == 6 and rec["rank"] == 0 and rec["exit_code"] == EXIT_CODES[cls]
@@ -64,7 +73,7 @@ def test_injected_fault_gives_class_exit_code_and_record(tmp_path, cache, kind, 
 
 
 def test_nan_checkpoints_last_good_state_and_next_try_skips_the_batch(tmp_path, cache):
-    cfg = config(tmp_path, cache, faults=[{"kind": "nan", "step": 9}])
+    cfg = config(tmp_path, cache, changes={"rehearsal.faults": [{"kind": "nan", "step": 9}]})
     first = run_single(cfg)
     assert first.returncode == EXIT_CODES["divergence"], first.stderr[-2000:]
     assert record(tmp_path)["class"] == "divergence"
@@ -80,7 +89,8 @@ def test_nan_checkpoints_last_good_state_and_next_try_skips_the_batch(tmp_path, 
 
 
 def test_hang_is_ended_by_the_watchdog_with_stacks(tmp_path, cache):
-    proc = run_single(config(tmp_path, cache, faults=[{"kind": "hang", "step": 5}], hang_timeout_seconds=3))
+    proc = run_single(config(tmp_path, cache, changes={"rehearsal.faults": [{"kind": "hang", "step": 5}],
+                                                        "execution.hang_timeout_seconds": 3}))
     assert proc.returncode == EXIT_CODES["hang"], proc.stderr[-2000:]
     assert record(tmp_path)["class"] == "hang"
     stacks = (tmp_path / "out" / "stacks-rank0.txt").read_text()
@@ -227,8 +237,9 @@ def test_learning_rate_scales_linearly_with_global_batch():
 
 @pytest.mark.parametrize("action", ["alert", "rollback"])
 def test_loss_spike_alerts_and_rolls_back(tmp_path, cache, action):
-    cfg = config(tmp_path, cache, epochs=2, faults=[{"kind": "spike", "step": 35}], spike_action=action,
-                 spike_window=20, checkpoint_every_steps=10, anomaly_checkpoint_min_steps=0)
+    cfg = config(tmp_path, cache, epochs=2, changes={
+        "rehearsal.faults": [{"kind": "spike", "step": 35}], "monitors.spike_action": action,
+        "monitors.spike_window": 20, "checkpoint.every_steps": 10, "monitors.anomaly_checkpoint_min_steps": 0})
     proc = run_single(cfg)
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -248,8 +259,9 @@ def test_loss_spike_alerts_and_rolls_back(tmp_path, cache, action):
 def test_alert_storm_checkpoints_the_last_good_state_once(tmp_path, cache):
     # Two unmistakable spikes 25 steps apart under alert (the first has left the 20-step window by the
     # second): both raise an alert, only the first one saves.
-    cfg = config(tmp_path, cache, epochs=2, faults=[{"kind": "spike", "step": 35}, {"kind": "spike", "step": 60}],
-                 spike_window=20, anomaly_checkpoint_min_steps=100)
+    cfg = config(tmp_path, cache, epochs=2, changes={
+        "rehearsal.faults": [{"kind": "spike", "step": 35}, {"kind": "spike", "step": 60}],
+        "monitors.spike_window": 20, "monitors.anomaly_checkpoint_min_steps": 100})
     proc = run_single(cfg)
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -310,7 +322,8 @@ def test_prometheus_endpoint_serves_training_metrics(tmp_path, cache):
     import urllib.request
 
     port = _free_port()
-    cfg = config(tmp_path, cache, faults=[{"kind": "hang", "step": 20}], hang_timeout_seconds=10, metrics_port=port)
+    cfg = config(tmp_path, cache, changes={"rehearsal.faults": [{"kind": "hang", "step": 20}],
+                                           "execution.hang_timeout_seconds": 10, "execution.metrics_port": port})
     proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -354,20 +367,21 @@ def test_average_export_cli(tmp_path):
 
 def test_checkpoint_from_another_model_shape_is_refused(tmp_path, cache):
     assert run_single(config(tmp_path, cache, epochs=1)).returncode == 0
-    proc = run_single(config(tmp_path, cache, epochs=2, hidden_size=64))
+    proc = run_single(config(tmp_path, cache, epochs=2, changes={"model.hidden_size": 64}))
     assert proc.returncode == EXIT_CODES["data"]
     assert "refusing to resume" in record(tmp_path)["exception"]
     assert "(hidden 128), not this run's mlp [8, 8] -> 10 (hidden 64)" in record(tmp_path)["exception"]
 
 
 def test_unknown_optimizer_is_a_config_error(tmp_path, cache):
-    proc = run_single(config(tmp_path, cache, optimizer="lamb"))
+    proc = run_single(config(tmp_path, cache, changes={"optim.optimizer": "lamb"}))
     assert proc.returncode == EXIT_CODES["config"]
     assert "optimizer: unknown optimizer 'lamb'; known: adamw, sgd" in proc.stderr
 
 
 def test_resume_from_the_average_of_the_last_checkpoints(tmp_path, cache):
-    assert run_single(config(tmp_path, cache, epochs=2, checkpoint_every_steps=20)).returncode == 0
-    proc = run_single(config(tmp_path, cache, epochs=3, checkpoint_every_steps=20, resume_average_last=3))
+    assert run_single(config(tmp_path, cache, epochs=2, changes={"checkpoint.every_steps": 20})).returncode == 0
+    proc = run_single(config(tmp_path, cache, epochs=3, changes={"checkpoint.every_steps": 20,
+                                                                 "checkpoint.resume_average_last": 3}))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resuming from the average of 3 checkpoints" in proc.stdout

@@ -36,7 +36,7 @@ def test_nccl_fp16_trains_resumes_and_reports_nvml(tmp_path, cache):  # noqa: F8
                            text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"world {ranks} (nccl" in first.stdout
-    cfg = config(tmp_path, cache, epochs=3, edit=fp16, metrics_port=port)
+    cfg = config(tmp_path, cache, epochs=3, edit=fp16, changes={"execution.metrics_port": port})
     proc = subprocess.Popen([*argv, str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     text, deadline = "", time.monotonic() + 120
     while "ballast_train_gpu_utilization_percent{" not in text and proc.poll() is None:
@@ -62,7 +62,8 @@ def test_memory_cap_turns_an_oversized_model_into_the_oom_class(tmp_path, cache)
     # far less than that of the device.
     total = torch.cuda.get_device_properties(0).total_memory
     fraction = 2e9 / total
-    cfg = config(tmp_path, cache, edit=lambda d: d["training"].update(hidden_size=20000), gpu_memory_fraction=fraction)
+    cfg = config(tmp_path, cache, edit=lambda d: d["training"].update(hidden_size=20000),
+                 changes={"resources.gpu_memory_fraction": fraction})
     proc = run_single(cfg)
     assert proc.returncode == EXIT_CODES["oom"], proc.stderr[-3000:]
     assert record(tmp_path)["class"] == "oom"

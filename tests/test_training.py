@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ballast.launch import adapt_micro_batch, run_config, torchrun_argv
+from ballast.launch_spec import adapt_micro_batch, run_config, torchrun_argv
 from ballast.spec import load_spec, parse_spec
 from ballast.stages import convert, validate, warm_cache
 from conftest import EXAMPLE_SPEC, example_data
@@ -37,7 +37,7 @@ def launch(tmp: Path, cache: dict, *, epochs: int, edit=None, out: str = "out") 
     out_dir.mkdir(exist_ok=True)
     cfg = run_config(spec, data_dir=cache["cache_dir"], data_format=cache["format"],
                      checkpoint_dir=str(tmp / "ckpt"), output_dir=str(out_dir))
-    (out_dir / "run.json").write_text(json.dumps(cfg))
+    cfg.dump(out_dir / "run.json")
     proc = subprocess.run(torchrun_argv(spec, out_dir / "run.json"), capture_output=True, text=True, timeout=300)
     return proc, out_dir
 
@@ -89,9 +89,10 @@ def test_bad_run_config_exits_with_config_code_and_record(tmp_path, digits_cache
     spec = parse_spec(d)
     cfg = run_config(spec, data_dir=digits_cache["cache_dir"], data_format="petastorm",
                      checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "out"))
-    cfg["model"] = "resnet9000"
+    data = cfg.model_dump(mode="json")
+    data["model"]["model"] = "resnet9000"  # past the spec's check: the trainer's own load refuses it too
     cfg_path = tmp_path / "run.json"
-    cfg_path.write_text(json.dumps(cfg))
+    cfg_path.write_text(json.dumps(data))
     proc = subprocess.run([sys.executable, "-m", "training", "--config", str(cfg_path)], capture_output=True, text=True)
     assert proc.returncode == EXIT_CODES["config"]
     assert "unknown model 'resnet9000'" in proc.stderr
@@ -103,7 +104,7 @@ def test_missing_data_is_a_data_failure(tmp_path):
     out.mkdir()
     cfg = run_config(spec, data_dir=str(tmp_path / "nowhere"), data_format="petastorm",
                      checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(out))
-    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    cfg.dump(tmp_path / "run.json")
     proc = subprocess.run([sys.executable, "-m", "training", "--config", str(tmp_path / "run.json")],
                           capture_output=True, text=True)
     assert proc.returncode == EXIT_CODES["data"]
@@ -207,7 +208,7 @@ def test_launch_specs_are_pure_functions():
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=head:29400" in argv and "--standalone" not in argv
     cfg = run_config(spec, data_dir="d", data_format="petastorm", checkpoint_dir="c", output_dir="o",
                      micro_batch_size=16)
-    assert (cfg["micro_batch_size"], cfg["grad_accum_steps"]) == (16, 2)  # global batch 64 kept
+    assert (cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps) == (16, 2)  # global batch 64 kept
 
 
 def test_oom_adaptation_keeps_global_batch():

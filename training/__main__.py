@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = RunConfig.load(args.config)
         out_dir = Path(cfg.output_dir)
-        if cfg.reuse_freed_memory:
+        if cfg.resources.reuse_freed_memory:
             from training.hostmem import keep_freed_memory
 
             keep_freed_memory()

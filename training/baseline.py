@@ -21,26 +21,25 @@ def main() -> None:
 
     from training.config import RunConfig
     from training.dataset.loader import EpochLoader
-    from training.models import build_model, build_optimizer
+    from training.models import build_configured_model, build_optimizer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     cfg = RunConfig.load(parser.parse_args().config)
-    if cfg.reuse_freed_memory:  # the same process set-up as the trainer's: this compares the loops
+    if cfg.resources.reuse_freed_memory:  # the same process set-up as the trainer's: this compares the loops
         from training.hostmem import keep_freed_memory
 
         keep_freed_memory()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, int(cores * (1 - cfg.cpu_reserve_fraction)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    torch.set_num_threads(max(1, int(cores * (1 - cfg.resources.cpu_reserve_fraction)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     torch.manual_seed(cfg.seed)
-    data = EpochLoader(Path(cfg.data_dir), fmt=cfg.data_format, rank=rank, world=world, seed=cfg.seed,
-                       workers=cfg.loader_workers, prefetch=cfg.loader_prefetch)
-    model = DDP(build_model(cfg.model, input_shape=cfg.input_shape, num_classes=cfg.num_classes,
-                            hidden=cfg.hidden_size, dropout=cfg.dropout))
-    opt = build_optimizer(cfg.optimizer, model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    per_step = cfg.micro_batch_size * cfg.grad_accum_steps
+    data = EpochLoader(Path(cfg.data.directory), fmt=cfg.data.format, rank=rank, world=world, seed=cfg.seed,
+                       workers=cfg.data.loader_workers, prefetch=cfg.data.loader_prefetch)
+    model = DDP(build_configured_model(cfg.model))
+    opt = build_optimizer(cfg.optim.optimizer, model.parameters(), lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
+    per_step = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps
     seconds, samples = 0.0, 0
     for epoch in range(cfg.epochs):
         steps = data.samples_per_rank // per_step
@@ -51,7 +50,7 @@ def main() -> None:
         for _, (x, y) in zip(range(steps), batches):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
         seconds += time.monotonic() - t0

@@ -1,7 +1,8 @@
 """Fault injection for tests and rehearsals: make a run crash, run out of memory, produce a NaN, hang or
 be preempted at a given step on a given rank.
 
-Faults come from the run config (`faults: [{kind, step, rank}]`) or the environment
+Faults come from the run config's rehearsal section (`rehearsal.faults: [{kind, step, rank}]`, also
+`training.rehearsal.faults` in a spec) or the environment
 (`BALLAST_FAULTS='[{"kind": "oom", "step": 12}]'`). Each fires once: a marker file in the output
 directory stops it from firing again when a restarted group replays the same step.
 """
@@ -12,33 +13,34 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
-KINDS = ("crash", "oom", "nan", "spike", "hang", "sigterm", "error", "comm")
+from pydantic import ValidationError
+
+from training.config.sections import FaultKind, FaultSettings
+from training.failure import ConfigFailure
+
+KINDS: tuple[str, ...] = get_args(FaultKind)
 _LOSS_FAULTS = {"nan": float("nan"), "spike": 1000.0}
+Fault = FaultSettings  # kind, step, rank: declared once, in the run config's rehearsal section
 
 
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    step: int
-    rank: int | None = None  # None: every rank
-
-    def marker(self, out_dir: Path, rank: int) -> Path:
-        return out_dir / f".fault-{self.kind}-step{self.step}-rank{rank}.fired"
+def _marker(fault: Fault, out_dir: Path, rank: int) -> Path:
+    return out_dir / f".fault-{fault.kind}-step{fault.step}-rank{rank}.fired"
 
 
-def load_faults(configured: list[dict]) -> list[Fault]:
-    raw = list(configured)
+def load_faults(configured: tuple[Fault, ...] | list[Fault]) -> list[Fault]:
+    """The run config's faults plus those in BALLAST_FAULTS (a JSON list of the same objects)."""
+    faults = list(configured)
     env = os.environ.get("BALLAST_FAULTS")
     if env:
-        raw += json.loads(env)
-    faults = []
-    for f in raw:
-        if f.get("kind") not in KINDS:
-            raise ValueError(f"faults: unknown kind {f.get('kind')!r}; known: {', '.join(KINDS)}")
-        faults.append(Fault(kind=f["kind"], step=int(f["step"]), rank=f.get("rank")))
+        try:
+            raw = json.loads(env)
+            faults += [FaultSettings.model_validate(f) for f in (raw if isinstance(raw, list) else [raw])]
+        except (ValueError, ValidationError) as exc:
+            raise ConfigFailure(f"BALLAST_FAULTS: not a JSON list of faults {{kind, step, rank}} with kind one of"
+                                f" {', '.join(KINDS)} ({str(exc).splitlines()[0]})") from None
     return faults
 
 
@@ -50,7 +52,7 @@ class Injector:
 
     def due(self, step: int, kind: str | None = None) -> Fault | None:
         for f in self.faults:
-            if f.step == step and (kind is None or f.kind == kind) and not f.marker(self.out_dir, self.rank).exists():
+            if f.step == step and (kind is None or f.kind == kind) and not _marker(f, self.out_dir, self.rank).exists():
                 return f
         return None
 
@@ -59,7 +61,7 @@ class Injector:
         fault = self.due(step)
         if fault is None or fault.kind in _LOSS_FAULTS:
             return
-        fault.marker(self.out_dir, self.rank).write_text(str(time.time()))
+        _marker(fault, self.out_dir, self.rank).write_text(str(time.time()))
         if fault.kind == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "sigterm":
@@ -81,6 +83,6 @@ class Injector:
         for kind, factor in _LOSS_FAULTS.items():
             fault = self.due(step, kind)
             if fault is not None:
-                fault.marker(self.out_dir, self.rank).write_text(str(time.time()))
+                _marker(fault, self.out_dir, self.rank).write_text(str(time.time()))
                 return factor
         return None

@@ -1,6 +1,7 @@
-"""The closed registry of model architectures a spec may name (`training.model`).
+"""The closed registries of model architectures (`training.model`) and optimizers (`training.optimizer`).
 
-`MODEL_NAMES` is importable without torch so that the spec can validate names at DAG-parse time.
+`MODEL_NAMES` and `OPTIMIZER_NAMES` are the one list of each; importable without torch, so that the
+spec and the run config validate names at DAG-parse time.
 """
 
 from __future__ import annotations
@@ -10,6 +11,14 @@ import math
 from typing import Any, Iterator
 
 MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "embed")
+OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", "sgd")
+
+
+def build_configured_model(section: Any) -> Any:
+    """The model a run config's (or a checkpoint's recorded) model section describes: anything with
+    `model`, `input_shape`, `num_classes`, `hidden_size` and `dropout` attributes."""
+    return build_model(section.model, input_shape=list(section.input_shape), num_classes=section.num_classes,
+                       hidden=section.hidden_size, dropout=section.dropout)
 
 
 def build_model(name: str, *, input_shape: list[int], num_classes: int, hidden: int = 128,
@@ -110,7 +119,7 @@ def build_optimizer(name: str, params: Any, *, lr: float, weight_decay: float) -
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, fused=True)
-    raise ValueError(f"unknown optimizer {name!r}; known: adamw, sgd")
+    raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}")
 
 
 @contextlib.contextmanager

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ballast.bench import target
+from ballast.records import WarmCacheResult
 
 
-def _prepare(root: Path, *, rows: int, shape: tuple[int, ...], edit) -> tuple[Any, dict]:
+def _prepare(root: Path, *, rows: int, shape: tuple[int, ...], edit) -> tuple[Any, WarmCacheResult]:
     """Synthetic data converted and cached by the real stages; returns (spec, warm_cache result)."""
     import yaml
 
@@ -54,15 +55,15 @@ def _prepare(root: Path, *, rows: int, shape: tuple[int, ...], edit) -> tuple[An
     return spec, ctx.result("warm_cache")
 
 
-def _config(spec, cache: dict, run_dir: Path, **overrides: Any) -> Path:
-    from ballast.launch import run_config
+def _config(spec, cache: WarmCacheResult, run_dir: Path, changes: dict[str, Any] | None = None) -> Path:
+    """The run config of one bench run, with `{"section.field": value}` changes (validated)."""
+    from ballast.launch_spec import run_config
 
-    cfg = run_config(spec, data_dir=cache["cache_dir"], data_format=cache["format"],
+    cfg = run_config(spec, data_dir=cache.cache_dir, data_format=cache.format,
                      checkpoint_dir=str(run_dir / "ckpt"), output_dir=str(run_dir / "out"))
-    cfg.update(overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "run.json"
-    path.write_text(json.dumps(cfg))
+    cfg.updated(changes or {}).dump(path)
     return path
 
 
@@ -98,7 +99,7 @@ def bench_overhead(*, repeat: int = 5, epochs: int = 6) -> dict:
             for kind in order:
                 run = root / f"{kind}-{i}"
                 if kind == "trainer":
-                    _torchrun(_config(spec, cache, run, metrics_port=_free_port_block(2)))
+                    _torchrun(_config(spec, cache, run, {"execution.metrics_port": _free_port_block(2)}))
                     ours.append(json.loads((run / "out" / "summary.json").read_text())["samples_per_second"])
                 else:
                     _torchrun(_config(spec, cache, run), module="training.baseline")
@@ -132,9 +133,8 @@ def bench_checkpoint(*, hidden: int = 9000, interval_run_seconds: float = 100.0,
         for mode in ("sync", "async"):
             run = root / mode
             # Save every 4 steps, 5 saves; the epoch bound ends the run early.
-            cfg = _config(spec, cache, run, checkpoint_async=mode == "async", checkpoint_every_steps=4,
-                          epochs=1, keep_last=2)
-            _limit_steps(cfg, 20)
+            cfg = _config(spec, cache, run, {"checkpoint.asynchronous": mode == "async", "checkpoint.every_steps": 4,
+                                             "epochs": 1, "checkpoint.keep_last": 2, "rehearsal.max_steps": 20})
             _torchrun(cfg)
             events = [e for e in _events(run) if e["event"] == "checkpoint" and e["reason"] == "interval"]
             blocked[mode] = [e["blocked_seconds"] for e in events]
@@ -147,8 +147,8 @@ def bench_checkpoint(*, hidden: int = 9000, interval_run_seconds: float = 100.0,
             order = (("none", 1e9), ("every_30s", 30.0))
             for label, every in (order if i % 2 == 0 else order[::-1]):
                 run = root / f"rate-{label}-{i}"
-                cfg = _config(spec, cache, run, checkpoint_async=True, checkpoint_every_seconds=every, epochs=1)
-                _limit_seconds(cfg, interval_run_seconds)
+                cfg = _config(spec, cache, run, {"checkpoint.asynchronous": True, "checkpoint.every_seconds": every,
+                                                 "epochs": 1, "rehearsal.max_seconds": interval_run_seconds})
                 _torchrun(cfg)
                 summary = json.loads((run / "out" / "summary.json").read_text())
                 events = _events(run)
@@ -196,8 +196,8 @@ def bench_recovery(*, trials: int = 5) -> dict:
             kill_step = 12 + i
             # A restarted gloo group sometimes fails to connect its full mesh (see ../shared/STACK.md); a short
             # distributed timeout turns a stuck attempt into a quick failure that torchrun restarts again.
-            cfg = _config(spec, cache, run, faults=[{"kind": "crash", "step": kill_step, "rank": 1}],
-                          dist_timeout_seconds=20)
+            cfg = _config(spec, cache, run, {"rehearsal.faults": [{"kind": "crash", "step": kill_step, "rank": 1}],
+                                             "distributed.timeout_seconds": 20})
             proc = _torchrun(cfg, extra=("--max-restarts=5",), timeout=600, preload=True)
             killed_at = float(next((run / "out").glob(".fault-crash-*")).read_text())
             first = [e for e in _events(run) if e["event"] == "first_step_after_resume"]
@@ -214,18 +214,6 @@ def bench_recovery(*, trials: int = 5) -> dict:
                 "completed step after resuming from the latest committed checkpoint",
         "targets": {"median_seconds_kill_to_next_step": target(round(med, 3), 5.0)},
     }
-
-
-def _limit_steps(config: Path, steps: int) -> None:
-    cfg = json.loads(config.read_text())
-    cfg["max_steps"] = steps
-    config.write_text(json.dumps(cfg))
-
-
-def _limit_seconds(config: Path, seconds: float) -> None:
-    cfg = json.loads(config.read_text())
-    cfg["max_seconds"] = seconds
-    config.write_text(json.dumps(cfg))
 
 
 def _free_port_block(n: int) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import LaunchError
-from ballast.launch import adapt_micro_batch, run_config, torchrun_argv
+from ballast.launch_spec import adapt_micro_batch, run_config, torchrun_argv
 
 
 def run(ctx: RunContext) -> dict:
@@ -51,7 +51,7 @@ def run(ctx: RunContext) -> dict:
                      output_dir=str(out_dir), micro_batch_size=micro,
                      data_wait_seconds=spec.cache.wait_seconds if cache.get("pending_stages") else 0.0)
     config_path = out_dir / "run.json"
-    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    cfg.dump(config_path)
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
     ctx.log.info("launching: %s", " ".join(argv))
     # The trainer's own watchdog (same timeout) fires first and classifies the hang; this outer guard

@@ -1,0 +1,88 @@
+"""Run parameters: which spec fields a person may change when triggering a run, and applying them.
+
+Each path in the spec's `overridable` list becomes a run parameter named after its last part
+(`training.learning_rate` -> `learning_rate`). A parameter that is not one of them is refused, naming
+the closest allowed one: a typo must never train with the default.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from ballast.errors import SpecError
+
+
+def overridable_field(path: str, root: type[BaseModel]) -> tuple[type[BaseModel], str]:
+    """Resolve a dotted path to (owning model class, field name); only scalar fields qualify."""
+    model: type[BaseModel] = root
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            raise ValueError(f"overridable: {path!r} is not a spec field ({'.'.join(parts[:i + 1])} unknown)")
+        ann = field.annotation
+        if i < len(parts) - 1:
+            if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+                raise ValueError(f"overridable: {path!r}: {'.'.join(parts[:i + 1])} has no sub-fields")
+            model = ann
+        else:
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                raise ValueError(f"overridable: {path!r} is a section; name one of its fields")
+            if getattr(ann, "__origin__", None) is tuple:
+                raise ValueError(f"overridable: {path!r} is a list; only single values can be overridden")
+            return model, part
+    raise ValueError(f"overridable: empty path {path!r}")
+
+
+def get_path(spec: BaseModel, path: str) -> Any:
+    value: Any = spec
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def parameter_paths(spec: Any) -> dict[str, str]:
+    """Run parameter name -> the spec field it overrides."""
+    return {p.rsplit(".", 1)[-1]: p for p in spec.overridable}
+
+
+def check_parameter_names(spec: Any, names: Any, *, source: str = "run parameters") -> None:
+    """Refuse names that are not run parameters of this spec, in one line naming each one, the closest
+    allowed name and the allowed list."""
+    allowed = sorted(parameter_paths(spec))
+    unknown = sorted(set(names) - set(allowed))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.5)
+        if not close:  # abbreviations such as lr for learning_rate: the initials of the words
+            close = [a for a in allowed if "".join(w[0] for w in a.split("_")) == name][:1]
+        if close:
+            hints.append(f"{name} -> {close[0]}?")
+    msg = f"{source}: unknown parameter(s) {', '.join(unknown)}; allowed: {', '.join(allowed) or 'none'}"
+    if hints:
+        msg += f"; closest: {', '.join(hints)}"
+    raise SpecError(msg)
+
+
+def apply_overrides(spec: Any, overrides: dict[str, Any], *, source: str = "run parameters") -> Any:
+    """Return a new spec with `{parameter: value}` overrides applied and validated again."""
+    from ballast.spec.messages import validation_error
+
+    check_parameter_names(spec, overrides, source=source)
+    by_name = parameter_paths(spec)
+    data = spec.model_dump(mode="json")
+    for name, value in overrides.items():
+        *head, last = by_name[name].split(".")
+        node = data
+        for part in head:
+            node = node[part]
+        node[last] = value
+    try:
+        return type(spec).model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, type(spec), source=source, text=None) from None

@@ -1,0 +1,72 @@
+"""The whole spec: its sections, and the checks that tie one section to another."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ballast.spec.conversion import NAME_PATTERN, CacheSpec, ConversionSpec
+from ballast.spec.dataset import DatasetSpec
+from ballast.spec.deployment import ExecutionSpec, ScheduleSpec, StorageSpec
+from ballast.spec.overrides import overridable_field
+from ballast.spec.training import EvaluationSpec, RecoverySpec, TrainingSpec
+from ballast.spec.validation import ValidationSpec
+from training.config.sections import Section
+
+SPEC_VERSION = 1
+
+
+class Spec(Section):
+    version: Literal[1] = SPEC_VERSION
+    """Spec format version."""
+    name: str = Field(pattern=NAME_PATTERN)
+    """Pipeline name; the DAG id is `ballast_<name>`."""
+    description: str = ""
+    """Shown on the DAG page."""
+    owner: str = "ballast"
+    """DAG owner."""
+    tags: tuple[str, ...] = ()
+    """DAG tags (`ballast` is always added)."""
+    dataset: DatasetSpec
+    validation: ValidationSpec = ValidationSpec()
+    conversion: ConversionSpec = ConversionSpec()
+    cache: CacheSpec = CacheSpec()
+    training: TrainingSpec
+    recovery: RecoverySpec = RecoverySpec()
+    evaluation: EvaluationSpec = EvaluationSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    storage: StorageSpec = StorageSpec()
+    execution: ExecutionSpec = ExecutionSpec()
+    overridable: tuple[str, ...] = ()
+    """Dotted field paths (e.g. training.learning_rate) a person may change when triggering a run.
+    Each becomes a run parameter named after its last part."""
+
+    @property
+    def dag_id(self) -> str:
+        return f"ballast_{self.name}"
+
+    @property
+    def train_format(self) -> str:
+        """The converted format training reads."""
+        return self.training.data_format or self.conversion.formats[0]
+
+    @model_validator(mode="after")
+    def _check_cross(self) -> Spec:
+        names = {f.name for f in self.dataset.fields}
+        for i, rule in enumerate(self.validation.rules):
+            if rule.column is not None and rule.column not in names:
+                raise ValueError(f"validation.rules[{i}].column: {rule.column!r} is not a dataset field"
+                                 f" ({', '.join(sorted(names))})")
+        fmt = self.training.data_format
+        if fmt is not None and fmt not in self.conversion.formats:
+            raise ValueError(f"training.data_format: {fmt!r} is not among conversion.formats"
+                             f" ({', '.join(self.conversion.formats)}); add it there or pick one of those")
+        leaves: dict[str, str] = {}
+        for path in self.overridable:
+            overridable_field(path, Spec)  # raises ValueError naming the path
+            leaf = path.rsplit(".", 1)[-1]
+            if leaf in leaves:
+                raise ValueError(f"overridable: {path!r} and {leaves[leaf]!r} would both be parameter {leaf!r}")
+            leaves[leaf] = path
+        return self

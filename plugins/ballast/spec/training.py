@@ -1,0 +1,90 @@
+"""The spec's `training`, `recovery` and `evaluation` sections.
+
+Built from the training package's own sections (`training.config.sections`): every field a training
+process also reads is declared there once, with its default, bounds, docstring and checks. What is
+declared here is the orchestrator's alone: how many machines and processes, which converted format to
+read, learning-rate scaling, retries.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
+                                      EarlyStopSettings, LoaderSettings, ModelSettings, MonitorSettings,
+                                      NumericsSettings, OptimSettings, RecoverySettings, RehearsalSettings,
+                                      ResourceSettings, RunSettings)
+
+_MAX_LEARNING_RATE = OptimSettings.model_fields["learning_rate"].metadata
+
+
+# pydantic lists inherited fields base by base, last base first: the order here puts model and batch
+# first in the JSON Schema and in "allowed here" messages.
+class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, NumericsSettings, OptimSettings,
+                   RunSettings, BatchSettings, ModelSettings):
+    nodes: int = Field(1, ge=1, le=4096)
+    """Machines (pods) taking part."""
+    processes_per_node: int = Field(2, ge=1, le=64)
+    """Training processes per machine (one per GPU on GPU machines)."""
+    data_format: DataFormat | None = None
+    """Which converted format training reads; default the first of conversion.formats."""
+    lr_reference_batch_size: int | None = Field(None, ge=1)
+    """If set, the learning rate is scaled linearly by global_batch_size / this (seed documents: 32 per
+    device as the reference)."""
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    """When checkpoints are written and how many are kept."""
+    monitors: MonitorSettings = MonitorSettings()
+    """Loss-spike detection and gradient statistics."""
+    rehearsal: RehearsalSettings = RehearsalSettings()
+    """Faults to inject and step/time budgets, for rehearsing recovery; empty in production."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    @property
+    def effective_learning_rate(self) -> float:
+        if self.lr_reference_batch_size is None:
+            return self.learning_rate
+        return self.learning_rate * self.global_batch_size / self.lr_reference_batch_size
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainingSpec:
+        step = self.micro_batch_size * self.world_size
+        if self.global_batch_size % step:
+            raise ValueError(
+                f"global_batch_size: must be a multiple of micro_batch_size x processes_per_node x nodes"
+                f" = {self.micro_batch_size} x {self.processes_per_node} x {self.nodes} = {step}"
+                f" (got {self.global_batch_size})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_scaled_learning_rate(self) -> TrainingSpec:
+        # The trainer is handed the scaled rate, under the same bound as the one written here.
+        limit = next(m.le for m in _MAX_LEARNING_RATE if getattr(m, "le", None) is not None)
+        if self.effective_learning_rate > limit:
+            raise ValueError(f"lr_reference_batch_size: the scaled learning rate {self.effective_learning_rate:g}"
+                             f" (learning_rate x {self.global_batch_size} / {self.lr_reference_batch_size})"
+                             f" exceeds {limit}; lower learning_rate or raise lr_reference_batch_size")
+        return self
+
+
+class RecoverySpec(RecoverySettings):
+    retries: int = Field(3, ge=0, le=50)
+    """Airflow retries of each task (seed documents: at most 3 after out-of-memory)."""
+    retry_delay_seconds: float = Field(30.0, ge=0.0, le=86_400)
+    """Wait before a retry."""
+    max_restarts: int = Field(0, ge=0, le=100)
+    """torchrun restarts of the process group within one try."""
+    oom_micro_batch_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """After an out-of-memory failure the next try multiplies the micro-batch by this factor
+    (global batch kept through gradient accumulation)."""
+
+
+class EvaluationSpec(EarlyStopSettings):
+    threshold: float | None = None
+    """Publish only if the test metric is at least (max) / at most (min) this value."""

@@ -1,0 +1,193 @@
+"""What a training checkpoint holds, and saving and loading it: the trainer calls `save(reason)` and `load()`.
+
+A checkpoint is the model and optimizer (full state; under DDP each rank writes a byte-balanced share
+of the replicated optimizer state, under FSDP rank 0 writes the gathered one), the loss scaler, every
+rank's RNG, and trainer.json: the `TrainState`, the JSON states given as `states` (LR schedule, the
+anomaly policy's spike window) and the model section the weights fit (what `recorded_model` reads).
+Saves are snapshotted into reused buffers and written by the `AsyncSaver`; loads never unpickle.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from training.checkpoint.average import average
+from training.checkpoint.commit import TRAINER_STATE, committed, latest_valid, read_trainer_state
+from training.checkpoint.fileio import load_tensors
+from training.checkpoint.saver import AsyncSaver
+from training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
+from training.checkpoint.snapshot import Snapshot
+from training.config.sections import CheckpointConfig, ModelConfig
+from training.failure import CheckpointFailure
+from training.state import TrainState
+
+
+class CheckpointManager:
+    def __init__(self, cfg: CheckpointConfig, *, dist: Any, model: Any, optimizer: Any, scaler: Any,
+                 state: TrainState, states: dict[str, Any], model_section: ModelConfig, parallelism: str,
+                 metrics: Any, log: Callable[[str], None]):
+        self.cfg = cfg
+        self.root = Path(cfg.directory)
+        self.dist, self.model, self.optimizer, self.scaler = dist, model, optimizer, scaler
+        self.state, self.states, self.model_section, self.parallelism = state, states, model_section, parallelism
+        self.sharded = parallelism == "fsdp" and dist.enabled  # FSDP state is gathered, not replicated
+        self.metrics, self.log = metrics, log
+        self.snapshot = Snapshot(pin=dist.device.type == "cuda")
+        self.saver = AsyncSaver(self.root, rank=dist.rank, barrier=dist.ckpt_barrier,
+                                idle=cfg.writer_priority == "idle", on_written=self._written,
+                                keep_last=cfg.keep_last, log=log)
+        self.last_save = time.monotonic()
+
+    # -- saving ------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Allocate (and touch) the snapshot buffers once the optimizer has its state, once per process:
+        not inside the first save, which a preemption notice may be waiting on."""
+        if not self.snapshot.buffers:
+            self._snapshot()
+
+    def save(self, reason: str, *, asynchronous: bool | None = None) -> None:
+        t0 = time.monotonic()
+        self.saver.wait()  # the snapshot buffers are reused: the previous write must be done
+        tensors, parts = self._snapshot()
+        jsons: dict[str, Any] = {}
+        if self.dist.rank == 0:
+            jsons[TRAINER_STATE] = {
+                **self.state.state_dict(), "world_size": self.dist.world,
+                **{key: obj.state_dict() for key, obj in self.states.items()},
+                # The model section (name, shapes, width, dropout): what the weights can be rebuilt from.
+                **self.model_section.model_dump(mode="json"),
+                "parallelism": self.parallelism, "reason": reason, "optim_parts": parts}
+        keep = {self.state.best["step"]} if self.state.best else set()
+        use_async = self.cfg.asynchronous if asynchronous is None else asynchronous
+        self.saver.save(self.state.step, tensors, jsons, keep=keep, asynchronous=use_async)
+        blocked = time.monotonic() - t0
+        self.last_save = time.monotonic()
+        self.metrics.set(checkpoint_save_seconds=blocked)
+        self.metrics.event("checkpoint", self.state.step, reason=reason, blocked_seconds=round(blocked, 4),
+                           asynchronous=use_async)
+
+    def wait(self) -> None:
+        """Until the save in flight is committed (raises if it failed)."""
+        self.saver.wait()
+
+    def _written(self, step: int, seconds: float) -> None:
+        """From the writer: checkpoint `step` is committed, `seconds` after its write began."""
+        self.metrics.set(checkpoint_write_seconds=seconds)
+        self.metrics.event("checkpoint_written", step, write_seconds=round(seconds, 3))
+
+    def _full_state(self) -> tuple[dict, dict]:
+        """Full (unsharded) model and optimizer state; collective under FSDP."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            return get_state_dict(self.model, self.optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def _snapshot(self) -> tuple[dict[str, Any], int]:
+        """This rank's checkpoint tensors, copied into the reused snapshot buffers; and the number of
+        optimizer parts."""
+        import torch
+
+        rank = self.dist.rank
+        model_sd, optim_sd = self._full_state()
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
+        tensors: dict[str, Any] = {f"rng-rank{rank}.pt": self.snapshot.copy(rng, ("rng",))}
+        if self.sharded:
+            parts = 1  # the gathered full state is on rank 0 only
+            if rank == 0:
+                tensors["optim-part0.pt"] = self.snapshot.copy(optim_sd, ("optim",))
+        else:
+            # Every rank holds the same optimizer state: each snapshots and writes its share.
+            parts = self.dist.world
+            model_bytes = sum(t.numel() * t.element_size() for t in model_sd.values())
+            mine = optimizer_shares(optim_sd, parts, rank0_bytes=model_bytes)[rank]
+            tensors[f"optim-part{rank}.pt"] = self.snapshot.copy(
+                optimizer_part(optim_sd, mine, first=rank == 0), ("optim",))
+        if rank == 0:
+            tensors["model.pt"] = self.snapshot.copy(model_sd, ("model",))
+            tensors["scaler.pt"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()
+                                    if isinstance(v, (int, float))}
+        return tensors, parts
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint that is committed and verifies."""
+        return latest_valid(self.root, log=self.log)
+
+    def load(self, path: Path | None = None) -> bool:
+        """Restore everything from `path` (default: the latest valid checkpoint); False if there is none."""
+        import torch
+
+        t0 = time.monotonic()
+        path = path or self.latest()
+        if path is None:
+            self.log("no committed checkpoint; starting from scratch")
+            return False
+        saved = read_trainer_state(path)
+        self._check_model(path, saved)
+        model_sd = load_tensors(path / "model.pt")
+        if self.cfg.resume_average_last > 1:
+            recent = committed(self.root)[-self.cfg.resume_average_last:]
+            model_sd = average(recent)
+            self.log(f"resuming from the average of {len(recent)} checkpoints: {', '.join(p.name for p in recent)}")
+        try:
+            parts = saved.get("optim_parts")
+            if not isinstance(parts, int) or parts < 1:
+                raise CheckpointFailure(f"{path / TRAINER_STATE}: optim_parts is {parts!r}, expected the number"
+                                        f" of optimizer state files (optim-part<R>.pt); refusing to resume")
+            self._load_full_state(model_sd, load_optimizer(path, parts))
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointFailure(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
+        scaler = load_tensors(path / "scaler.pt")
+        if scaler:
+            self.scaler.load_state_dict({k: v.item() for k, v in scaler.items()})
+        rng_file = path / f"rng-rank{self.dist.rank}.pt"
+        if rng_file.exists() and saved["world_size"] == self.dist.world:
+            rng = load_tensors(rng_file)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"], self.dist.device)
+        elif saved["world_size"] != self.dist.world:
+            self.log(f"world size changed {saved['world_size']} -> {self.dist.world}: weights and optimizer kept,"
+                     f" RNG streams and the data order restart for the new world")
+        self.state.load_state_dict(saved)
+        for key, obj in self.states.items():
+            if saved.get(key):
+                obj.load_state_dict(saved[key])
+        seconds = time.monotonic() - t0
+        self.metrics.set(checkpoint_load_seconds=seconds)
+        self.log(f"resumed from {path} (epoch {self.state.epoch}, step {self.state.step}) in {seconds:.2f}s")
+        self.metrics.event("resume", self.state.step, path=str(path), seconds=round(seconds, 4))
+        return True
+
+    def _check_model(self, path: Path, saved: dict[str, Any]) -> None:
+        m = self.model_section
+        mine = (m.model, list(m.input_shape), m.num_classes, m.hidden_size)
+        theirs = (saved["model"], list(saved["input_shape"]), saved["num_classes"], saved.get("hidden_size"))
+        if mine != theirs:
+            raise CheckpointFailure(f"{path}: checkpoint is for model {theirs[0]} {theirs[1]} -> {theirs[2]} classes"
+                                    f" (hidden {theirs[3]}), not this run's {mine[0]} {mine[1]} -> {mine[2]}"
+                                    f" (hidden {mine[3]}); refusing to resume")
+
+    def _load_full_state(self, model_sd: dict, optim_sd: dict | None) -> None:
+        from training.models import keeping_optimizer_kernel
+
+        with keeping_optimizer_kernel(self.optimizer):
+            if self.sharded:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+                # Every rank read the full state from the (shared) checkpoint directory; each keeps its
+                # shard. (broadcast_from_rank0 with empty dicts on the other ranks hung on gloo here.)
+                set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
+                               optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
+                return
+            self.model.load_state_dict(model_sd)
+            if optim_sd is not None:
+                self.optimizer.load_state_dict(optim_sd)

@@ -1,0 +1,47 @@
+"""CPU copies of the training state into buffers reused from one save to the next (imports torch lazily)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class Snapshot:
+    """CPU copies of a nested state, into buffers kept from one save to the next.
+
+    Reusing the buffers turns the snapshot into a plain memory copy (no allocation, no first-touch page
+    faults), which is all an asynchronous save blocks training for. The caller must not snapshot while
+    the previous save is still being written (CheckpointManager.save waits for it first).
+    """
+
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self.buffers: dict[tuple, Any] = {}
+
+    def _empty(self, shape, dtype):
+        """A buffer for a tensor; large CPU ones page-aligned (an anonymous mapping), so that the
+        checkpoint writer can hand their pages to the disk directly (O_DIRECT) without a staging copy."""
+        import mmap
+
+        import torch
+
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.pin or nbytes < (1 << 20):
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+    def copy(self, obj: Any, path: tuple = ()) -> Any:
+        import torch
+
+        if torch.is_tensor(obj):
+            buf = self.buffers.get(path)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = self._empty(obj.shape, obj.dtype)
+                self.buffers[path] = buf
+            buf.copy_(obj.detach())
+            return buf
+        if isinstance(obj, dict):
+            return {k: self.copy(v, path + (k,)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, path + (i,)) for i, v in enumerate(obj))
+        return obj

@@ -1,0 +1,103 @@
+"""One line per validation problem: `field.path: what is wrong (got VALUE)`.
+
+Shared by the run config (training processes) and the spec (`ballast lint`, DAG import errors, trigger
+parameters), so that both say the same thing the same way. pydantic only.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel
+
+NOVALUE = object()
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+_SIMPLE = {
+    "int_parsing": "must be an integer", "int_type": "must be an integer", "int_from_float": "must be an integer",
+    "float_parsing": "must be a number", "float_type": "must be a number", "string_type": "must be a string",
+    "bool_parsing": "must be true or false", "bool_type": "must be true or false",
+    "model_type": "must be a mapping of keys", "model_attributes_type": "must be a mapping of keys",
+    "dict_type": "must be a mapping of keys", "tuple_type": "must be a list", "list_type": "must be a list",
+    "too_short": "must not be empty", "string_too_short": "must not be empty",
+}
+# pydantic puts a union member's type name into the location; it is no field of the user's.
+_UNION_MEMBERS = {"str", "int", "float", "bool"}
+
+
+def describe(err: dict[str, Any], root: type[BaseModel]) -> tuple[tuple, str, Any]:
+    """(field location, message, the bad value or NOVALUE) for one pydantic error of a `root` model."""
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and _is_union_member(p)))
+    kind, ctx, value, msg = err["type"], err.get("ctx") or {}, err.get("input"), err["msg"]
+    if kind == "value_error":
+        msg = str(ctx.get("error", msg))
+        # A model-level check may name a sub-field: "label: 'x' is not ..." -> loc + label.
+        head, sep, rest = msg.partition(": ")
+        if sep and re.fullmatch(r"[a-z_][a-z0-9_.\[\]]*", head):
+            for part in head.split("."):
+                name, _, index = part.partition("[")
+                loc = loc + ((name, int(index.rstrip("]"))) if index else (name,))
+            msg = rest
+        value = NOVALUE
+    elif kind == "extra_forbidden":
+        msg = f"unknown key {loc[-1]!r}"
+        allowed = allowed_keys(root, loc[:-1])
+        if allowed:
+            msg += f"; allowed here: {', '.join(allowed)}"
+        value = NOVALUE
+    elif kind == "missing":
+        msg, value = "required field is missing", NOVALUE
+    elif kind in _BOUNDS:
+        msg = f"must be {_BOUNDS[kind]} {next(iter(ctx.values()))}"
+    elif kind == "literal_error":
+        msg = f"must be one of {ctx.get('expected')}"
+    elif kind == "string_pattern_mismatch":
+        msg = f"must match {ctx.get('pattern')}"
+    elif kind in _SIMPLE:
+        msg = _SIMPLE[kind]
+    else:
+        msg = msg[0].lower() + msg[1:] if msg else kind
+    return loc, msg, value
+
+
+def _is_union_member(part: str) -> bool:
+    return part in _UNION_MEMBERS or (part[:1].isupper() and part.isidentifier())
+
+
+def dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def one_line(loc: tuple, msg: str, value: Any) -> str:
+    """`field.path: message (got VALUE)`."""
+    got = "" if value is NOVALUE else f" (got {short(value)})"
+    return f"{dotted(loc) or '(top level)'}: {msg}{got}"
+
+
+def allowed_keys(root: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys the model at `loc` (below `root`) accepts, in declaration order."""
+    model: Any = root
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        nested = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(getattr(model, "model_fields", {}))

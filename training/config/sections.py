@@ -1,0 +1,290 @@
+"""The sections of a training run's settings, each defined once.
+
+Two kinds of class live here:
+- *Settings* sections hold what a person writes in a spec. The spec's `training`, `evaluation`,
+  `recovery` and `execution` sections are built from them (by inheritance for flat fields such as
+  `training.learning_rate`, as sub-models for nested ones such as `training.checkpoint.every_steps`), so
+  every default, bound, docstring and check exists here and nowhere else.
+- *Config* sections extend a Settings section with what the orchestrator fills in for one try (paths,
+  the cache's data format, the adapted micro-batch): the sections of `RunConfig`.
+
+pydantic only: no torch, no Airflow, no `ballast`. The spec imports this module at DAG-parse time.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from training.models import MODEL_NAMES, OPTIMIZER_NAMES
+
+PositiveInt = Annotated[int, Field(ge=1)]
+NumClasses = Annotated[int, Field(ge=2, le=100_000)]
+DataFormat = Literal["petastorm", "tfrecord"]
+FaultKind = Literal["crash", "oom", "nan", "spike", "hang", "sigterm", "error", "comm"]
+
+
+class Section(BaseModel):
+    """Frozen, unknown keys refused, the docstring under each field is its description."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+# --- model -------------------------------------------------------------------------------------------
+
+
+def _registered(kind: str, names: tuple[str, ...], value: object) -> object:
+    """The registry's own message for an unknown name (before pydantic's generic "must be one of")."""
+    if isinstance(value, str) and value not in names:
+        raise ValueError(f"unknown {kind} {value!r}; known: {', '.join(names)}")
+    return value
+
+
+class ModelSettings(Section):
+    model: Literal[MODEL_NAMES]  # type: ignore[valid-type]
+    """Architecture from the closed registry (training/models.py): mlp, cnn, or embed (pixel values
+    0-255 as tokens, for uint8 images; its embeddings stay in fp32 under mixed precision)."""
+    hidden_size: int = Field(128, ge=1, le=65536)
+    """Width of the hidden layers."""
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    """Dropout probability."""
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _known_model(cls, v: object) -> object:
+        return _registered("model", MODEL_NAMES, v)
+
+
+class ModelConfig(ModelSettings):
+    """The architecture and the shapes it is built for; checkpoints record this section."""
+
+    input_shape: tuple[PositiveInt, ...] = Field(min_length=1)
+    """Shape of one input sample: the feature's shape, [1] for a scalar."""
+    num_classes: NumClasses
+    """Number of classes the model predicts."""
+
+
+# --- batch -------------------------------------------------------------------------------------------
+
+
+class BatchSettings(Section):
+    micro_batch_size: int = Field(ge=1, le=65536)
+    """Samples per process per forward/backward pass."""
+    global_batch_size: int = Field(ge=1, le=16_777_216)
+    """Samples per optimizer step over all processes; kept fixed when the micro-batch changes."""
+
+
+class BatchConfig(BatchSettings):
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step on each process:
+    global_batch_size / (micro_batch_size x world size)."""
+
+    @property
+    def per_process(self) -> int:
+        """Samples one process contributes to an optimizer step."""
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+# --- optimisation ------------------------------------------------------------------------------------
+
+
+class PlateauSettings(Section):
+    patience: int = Field(5, ge=1, le=1000)
+    """Epochs without validation improvement before the learning rate is reduced (seed documents: 5)."""
+    factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """Multiplier applied to the learning rate on a plateau (seed documents: 0.5)."""
+
+
+class OptimSettings(Section):
+    optimizer: Literal[OPTIMIZER_NAMES] = "adamw"  # type: ignore[valid-type]
+    """Optimizer (PyTorch's fused kernel)."""
+    learning_rate: float = Field(gt=0.0, le=10.0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """Decoupled weight decay."""
+    grad_clip_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping max norm (seed documents: 1.0)."""
+    lr_plateau: PlateauSettings = PlateauSettings()
+    """Learning-rate decay when the validation metric stops improving."""
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _known_optimizer(cls, v: object) -> object:
+        return _registered("optimizer", OPTIMIZER_NAMES, v)
+
+
+# --- numerics ----------------------------------------------------------------------------------------
+
+
+class LossScaleSettings(Section):
+    initial: float = Field(8192.0, gt=0)
+    """Initial dynamic loss scale for fp16 (seed documents: 8192; PyTorch's default is 65536)."""
+    growth_interval: int = Field(100, ge=1)
+    """Steps without overflow before the scale grows (seed documents: 100; PyTorch's default is 2000)."""
+
+
+class NumericsSettings(Section):
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision; bf16/fp16 use autocast (fp32 on CPU where autocast does not apply)."""
+    loss_scale: LossScaleSettings = LossScaleSettings()
+    """Dynamic loss scaling for fp16."""
+
+
+# --- distribution and resources ----------------------------------------------------------------------
+
+
+class DistributedSettings(Section):
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: replicated weights; fsdp: fully sharded weights, gradients and optimizer state (ZeRO-3)."""
+    gradient_compression: Literal["none", "fp16", "bf16"] = "none"
+    """DDP gradient compression hook for slow networks (ddp only)."""
+
+    @model_validator(mode="after")
+    def _check_parallelism(self) -> DistributedSettings:
+        if self.parallelism == "fsdp" and self.gradient_compression != "none":
+            raise ValueError("gradient_compression: DDP compression hooks do not apply to fsdp; set none")
+        return self
+
+
+class DistributedConfig(DistributedSettings):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto: NCCL where CUDA is available, gloo otherwise."""
+    timeout_seconds: float = Field(600.0, gt=0)
+    """Timeout of the process group's collectives."""
+
+
+class ResourceSettings(Section):
+    gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    """Per-process GPU memory cap (seed documents: under 90%)."""
+    cpu_reserve_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+    """Share of CPU cores left to data loading (seed documents: 20%)."""
+    reuse_freed_memory: bool = True
+    """Training processes keep freed host memory for the next step instead of returning it to the OS
+    after every step (glibc malloc thresholds; see training/hostmem.py). Resident memory stays at the
+    step's peak; false gives glibc's defaults."""
+
+
+class LoaderSettings(Section):
+    loader_workers: int = Field(2, ge=0, le=64)
+    """DataLoader worker processes per training process; twice the compute devices per process (the
+    seed documents' 2-3x rule: 2 on one GPU or on CPU). 0 reads in the training process."""
+    loader_prefetch: int = Field(2, ge=1, le=64)
+    """Shard chunks each loader worker decodes ahead."""
+
+
+class DataConfig(LoaderSettings):
+    directory: str = Field(min_length=1)
+    """Cache directory holding the dataset's manifest.json and the shards it lists."""
+    format: DataFormat
+    """Which packed format to read."""
+    feature: str
+    """Name of the feature column."""
+    label: str
+    """Name of the label column."""
+    wait_seconds: float = Field(0.0, ge=0.0)
+    """How long to wait for a shard that a staged cache warm-up is still bringing."""
+
+
+# --- checkpoints, monitors, early stopping -----------------------------------------------------------
+
+
+class CheckpointSettings(Section):
+    every_steps: int | None = Field(None, ge=1)
+    """Save every N optimizer steps (in addition to every_seconds and the end of each epoch)."""
+    every_seconds: float = Field(3600.0, gt=0)
+    """Save at least this often (seed documents: hourly)."""
+    keep_last: int = Field(3, ge=1, le=100)
+    """Committed checkpoints kept, besides the best one."""
+    asynchronous: bool = True
+    """Write checkpoints in the background; training waits only for an in-memory snapshot."""
+    writer_priority: Literal["idle", "normal"] = "idle"
+    """CPU priority of the background writer. `idle` (Linux SCHED_IDLE): it runs on CPU time training
+    leaves free, so a save slows training less, and takes longer where the CPUs are saturated.
+    `normal`: the same priority as training."""
+    resume_average_last: int = Field(0, ge=0, le=100)
+    """On resume, start from the mean weights of the last N checkpoints (seed documents: 3); 0 = off."""
+
+
+class CheckpointConfig(CheckpointSettings):
+    directory: str = Field(min_length=1)
+    """Where this run's checkpoints are committed (shared by every try)."""
+
+
+class MonitorSettings(Section):
+    spike_zscore: float = Field(3.0, gt=0)
+    """A loss this many standard deviations above the trailing window is a spike (seed documents: 3)."""
+    spike_window: int = Field(50, ge=5, le=100_000)
+    """Steps in the trailing window of the spike detector."""
+    spike_action: Literal["alert", "rollback"] = "alert"
+    """alert: an event and an immediate checkpoint (see anomaly_checkpoint_min_steps); rollback: back to the
+    last checkpoint, batch skipped."""
+    stats_every_steps: int = Field(50, ge=1)
+    """Gradient norm and histogram statistics every N steps."""
+    anomaly_checkpoint_min_steps: int = Field(100, ge=0)
+    """An anomaly (a loss spike under alert) checkpoints the last good state, at most once per this
+    many steps so that a storm of alerts does not become a storm of saves; 0: after every anomaly."""
+
+
+class EarlyStopSettings(Section):
+    metric: Literal["accuracy", "loss"] = "accuracy"
+    """Metric on the validation split for early stopping, and on the test split for publishing."""
+    mode: Literal["max", "min"] = "max"
+    """Whether a larger or a smaller metric is better."""
+    patience: int = Field(3, ge=1, le=1000)
+    """Epochs without improvement before training stops (seed documents: 3)."""
+    min_delta: float = Field(0.0, ge=0.0)
+    """Smallest change that counts as an improvement."""
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> EarlyStopSettings:
+        natural = {"accuracy": "max", "loss": "min"}[self.metric]
+        if self.mode != natural:
+            raise ValueError(f"mode: metric {self.metric!r} improves when it goes {natural}; set mode: {natural}")
+        return self
+
+
+# --- what the training process needs of recovery and execution ---------------------------------------
+
+
+class RecoverySettings(Section):
+    preempt_grace_seconds: float = Field(60.0, gt=0)
+    """After SIGTERM (preemption notice), time allowed to commit a checkpoint before exiting."""
+
+
+class ExecutionSettings(Section):
+    hang_timeout_seconds: float = Field(1800.0, gt=0)
+    """A training process without a finished step for this long counts as hung: its stacks are dumped
+    and it is ended."""
+    metrics_port: int | None = Field(None, ge=1024, le=65000)
+    """First port of the per-rank Prometheus endpoints (rank r serves on port + r); none if unset."""
+
+
+# --- rehearsal: faults and budgets -------------------------------------------------------------------
+
+
+class FaultSettings(Section):
+    kind: FaultKind
+    """What happens: crash (SIGKILL), oom, nan (non-finite loss), spike (loss x1000), hang, sigterm
+    (a preemption notice), error (a bug), comm (a communication error)."""
+    step: int = Field(ge=1)
+    """Optimizer step (1-based) before whose forward pass the fault fires; once per run."""
+    rank: int | None = Field(None, ge=0)
+    """Only on this rank; every rank if unset."""
+
+
+class RehearsalSettings(Section):
+    faults: tuple[FaultSettings, ...] = ()
+    """Faults to inject, for rehearsing recovery (game days) and for tests. The environment variable
+    BALLAST_FAULTS (a JSON list of the same objects) adds to them."""
+    max_steps: int | None = Field(None, ge=1)
+    """End training (with a checkpoint) after this many optimizer steps."""
+    max_seconds: float | None = Field(None, gt=0)
+    """End training (with a checkpoint) once this much wall time has passed in the process."""
+
+
+class RunSettings(Section):
+    epochs: int = Field(ge=1, le=100_000)
+    """Upper bound on epochs; early stopping may end sooner."""
+    seed: int = 0
+    """Seed of model init, shuffling and dropout."""
