@@ -29,17 +29,17 @@ def test_spark_and_arrow_engines_write_the_same_rows(tmp_path, digits_raw):
     spark = make_ctx(tmp_path / "spark", raw, settings("spark"))
     a = run_chain(arrow, validate, convert)["convert"]
     s = run_chain(spark, validate, convert)["convert"]
-    assert s["engine"] == "spark" and a["engine"] == "arrow"
-    assert a["dataset_id"] == s["dataset_id"] and a["rows"] == s["rows"]
-    ma = json.loads(arrow.storage.read_bytes(f"{a['prefix']}/manifest.json"))
-    ms = json.loads(spark.storage.read_bytes(f"{s['prefix']}/manifest.json"))
+    assert s.engine == "spark" and a.engine == "arrow"
+    assert a.dataset_id == s.dataset_id and a.rows == s.rows
+    ma = json.loads(arrow.storage.read_bytes(f"{a.prefix}/manifest.json"))
+    ms = json.loads(spark.storage.read_bytes(f"{s.prefix}/manifest.json"))
     key = lambda m: [(f["path"], f["rows"], f["bytes"], f["sha256"]) for f in m["files"]]  # noqa: E731
     assert key(ma) == key(ms)  # the same files, byte for byte
 
     # And the rows, read back through petastorm, are the input's rows.
     from petastorm import make_reader
 
-    root = Path(spark.storage.local_path(s["prefix"]))
+    root = Path(spark.storage.local_path(s.prefix))
     raw_rows = {np.asarray(r, np.float32).tobytes() for r in table.column("image").to_pylist()}
     n = 0
     for split in ("train", "validation", "test"):

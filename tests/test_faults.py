@@ -39,7 +39,7 @@ def config(tmp: Path, cache: dict, *, epochs: int = 2, edit=None, changes: dict 
     d["evaluation"]["patience"] = 50
     if edit:
         edit(d)
-    cfg = run_config(parse_spec(d), data_dir=cache["cache_dir"], data_format=cache["format"],
+    cfg = run_config(parse_spec(d), data_dir=cache.cache_dir, data_format=cache.format,
                      checkpoint_dir=str(tmp / "ckpt"), output_dir=str(tmp / "out"))
     data = cfg.model_dump(mode="json")
     for dotted, value in (changes or {}).items():

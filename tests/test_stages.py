@@ -14,8 +14,9 @@ from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
 from ballast.spec import parse_spec
 from ballast.packing import split_codes
+from ballast.records import Record, WarmCacheResult
 from ballast.stages import convert, validate, warm_cache
-from ballast.stages.warm_cache import plan_stages
+from ballast.stages.warm_cache import plan_phases
 from ballast.storage import LocalStorage, safe_key
 from conftest import example_data
 
@@ -45,16 +46,16 @@ def write_raw(path: Path, images, labels, *, image_type=None) -> Path:
 
 
 class warm_cache_rest:  # noqa: N801  (used like a stage module in run_chain)
-    """The later cache stages, which the train task warms in the background."""
+    """The later warm-up phases, which the train task warms in the background."""
 
     __name__ = "ballast.stages.warm_cache_rest"
 
     @staticmethod
-    def run(ctx: RunContext) -> dict:
+    def run(ctx: RunContext) -> WarmCacheResult:
         return warm_cache.warm_rest(ctx)
 
 
-def run_chain(ctx: RunContext, *stages) -> dict:
+def run_chain(ctx: RunContext, *stages) -> dict[str, Record]:
     out = {}
     for module in stages:
         name = module.__name__.rsplit(".", 1)[-1]
@@ -66,9 +67,9 @@ def run_chain(ctx: RunContext, *stages) -> dict:
 def test_validate_passes_on_digits(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     result = validate.run(ctx)
-    assert result["rows"] == 1797
-    assert result["failures"] == []
-    assert len(result["input_fingerprint"]) == 64
+    assert result.rows == 1797
+    assert result.failures == []
+    assert len(result.input_fingerprint) == 64
 
 
 @pytest.mark.parametrize("damage,pattern", [
@@ -124,7 +125,7 @@ def test_validate_failure_keeps_data_docs(tmp_path):
     ctx = make_ctx(tmp_path, raw.parent)
     with pytest.raises(DataError, match="6 of 10 expectations failed on 1200 rows"):
         validate.run(ctx)
-    docs = ctx.result("validate")["data_docs"]
+    docs = ctx.result("validate").data_docs
     html = ctx.storage.read_bytes(docs).decode()
     assert "Data Docs" in html or "Great Expectations" in html
     pages = [k for k in ctx.storage.list(docs.rsplit("/", 1)[0]) if k.endswith(".html") and "validations" in k]
@@ -142,13 +143,13 @@ def test_validate_quarantines_bad_rows_and_convert_leaves_them_out(tmp_path):
 
     ctx = make_ctx(tmp_path, raw.parent, quarantine(0.01))
     out = run_chain(ctx, validate, convert)
-    q = out["validate"]["quarantine"]
-    assert q["rows"] == len(bad)
-    rows = pq.read_table(io.BytesIO(ctx.storage.read_bytes(q["file"])))
+    q = out["validate"].quarantine
+    assert q.rows == len(bad)
+    rows = pq.read_table(io.BytesIO(ctx.storage.read_bytes(q.file)))
     assert rows.column("_row").to_pylist() == bad
     reasons = dict(zip(rows.column("_row").to_pylist(), rows.column("_failed").to_pylist()))
     assert "image__finite" in reasons[3] and "label" in reasons[1] and "image__len" in reasons[4]
-    assert sum(out["convert"]["rows"].values()) == 1200 - len(bad)
+    assert sum(out["convert"].rows.values()) == 1200 - len(bad)
     # The same input with a stricter limit fails the run, naming the fraction.
     strict = make_ctx(tmp_path / "s", raw.parent, quarantine(0.001))
     with pytest.raises(DataError, match=r"validation\.max_bad_fraction: 5 of 1200 rows \(0\.42%\) fail expectations,"
@@ -189,24 +190,24 @@ def test_validate_refuses_unreadable_or_mismatched_input(tmp_path, kind, pattern
 def test_convert_writes_manifest_and_is_idempotent(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     out = run_chain(ctx, validate, convert)["convert"]
-    assert out["reused"] is False
-    assert out["rows"] == {"train": 1365, "validation": 159, "test": 273}
+    assert out.reused is False
+    assert out.rows == {"train": 1365, "validation": 159, "test": 273}
     storage = ctx.storage
-    manifest = json.loads(storage.read_bytes(f"{out['prefix']}/manifest.json"))
+    manifest = json.loads(storage.read_bytes(f"{out.prefix}/manifest.json"))
     assert {f["format"] for f in manifest["files"]} == {"petastorm", "tfrecord"}
     assert sum(f["rows"] for f in manifest["files"] if f["format"] == "tfrecord") == 1797
     again = convert.run(ctx)
-    assert again["reused"] is True and again["dataset_id"] == out["dataset_id"]
+    assert again.reused is True and again.dataset_id == out.dataset_id
     # Another shard size is another dataset.
     ctx2 = make_ctx(tmp_path, digits_raw, lambda d: d["conversion"].update(shard_rows=500))
     ctx2.save_result("validate", ctx.result("validate"))
-    assert convert.run(ctx2)["dataset_id"] != out["dataset_id"]
+    assert convert.run(ctx2).dataset_id != out.dataset_id
 
 
 def test_converted_shards_are_readable_by_petastorm_and_tfrecord(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     out = run_chain(ctx, validate, convert)["convert"]
-    root = Path(ctx.storage.local_path(out["prefix"]))
+    root = Path(ctx.storage.local_path(out.prefix))
     from petastorm import make_batch_reader, make_reader
     from sklearn.datasets import load_digits
 
@@ -249,14 +250,14 @@ def test_png_images_roundtrip_through_petastorm_and_the_training_reader(tmp_path
     ctx = make_ctx(tmp_path, raw.parent, edit)
     assert ctx.spec.dataset.features[0].storage_codec == "png"
     out = run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)
-    root = Path(ctx.storage.local_path(out["convert"]["prefix"]))
+    root = Path(ctx.storage.local_path(out["convert"].prefix))
     head = (root / "petastorm/train/part-00000.parquet").read_bytes()
     assert b"PNG" in head  # compressed images, not raw arrays
     known = {img.tobytes(): lab for img, lab in zip(images, labels)}
     with make_reader(f"file://{root}/petastorm/validation", num_epochs=1, workers_count=1) as reader:
         for row in reader:
             assert row.image.dtype == np.uint8 and known[row.image.tobytes()] == row.label
-    test = load_split(Path(out["warm_cache"]["cache_dir"]), "test", fmt="petastorm")
+    test = load_split(Path(out["warm_cache"].cache_dir), "test", fmt="petastorm")
     assert all(known[x.astype(np.uint8).tobytes()] == y for x, y in zip(test.features, test.labels))
 
 
@@ -276,9 +277,9 @@ def test_convert_streams_in_bounded_batches_with_the_same_output(tmp_path, digit
     small = make_ctx(tmp_path / "b", digits_raw, lambda d: d["conversion"].update(read_batch_rows=37))
     one = run_chain(big, validate, convert)["convert"]
     two = run_chain(small, validate, convert)["convert"]
-    m1 = json.loads(big.storage.read_bytes(f"{one['prefix']}/manifest.json"))
-    m2 = json.loads(small.storage.read_bytes(f"{two['prefix']}/manifest.json"))
-    assert one["dataset_id"] == two["dataset_id"]
+    m1 = json.loads(big.storage.read_bytes(f"{one.prefix}/manifest.json"))
+    m2 = json.loads(small.storage.read_bytes(f"{two.prefix}/manifest.json"))
+    assert one.dataset_id == two.dataset_id
     assert [(f["path"], f["sha256"]) for f in m1["files"]] == [(f["path"], f["sha256"]) for f in m2["files"]]
 
 
@@ -287,15 +288,15 @@ def test_warm_cache_stages_follow_the_training_read_order(tmp_path, digits_raw):
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["conversion"].update(shard_rows=100))
     out = run_chain(ctx, validate, convert, warm_cache)["warm_cache"]
-    (first,) = out["stages"]
-    assert first["stage"] == "first_steps" and out["pending_stages"] == 1
-    cache = Path(out["cache_dir"])
+    (first,) = out.phases
+    assert first.name == "first_steps" and out.pending_phases == 1
+    cache = Path(out.cache_dir)
     manifest = json.loads((cache / "manifest.json").read_text())
     have = {p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()}
     fmt_files = [f["path"] for f in manifest["files"] if f["format"] == "petastorm"]
     train = [f for f in fmt_files if "/train/" in f and f.endswith(".parquet")]
     later = {f for f in fmt_files if ("/test/" in f or "/validation/" in f) and f.endswith(".parquet")}
-    assert not later & have  # validation and test come with the last stage
+    assert not later & have  # validation and test come with the last phase
     assert 0 < len(set(train) & have) < len(train)
     # Every rank's first quarter of epoch 0 reads only files already cached.
     for rank in range(2):
@@ -307,43 +308,43 @@ def test_warm_cache_stages_follow_the_training_read_order(tmp_path, digits_raw):
             assert loader.blocks[b].path in have
             got += len(rows)
     rest = warm_cache_rest.run(ctx)
-    assert rest["stages"][0]["stage"] == "rest"
+    assert rest.phases[0].name == "rest"
     have = {p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()}
     assert set(fmt_files) <= have
     again = run_chain(ctx, warm_cache, warm_cache_rest)
-    assert again["warm_cache"]["stages"][0]["downloaded"] == 0 and again["warm_cache_rest"]["stages"][0]["downloaded"] == 0
+    assert again["warm_cache"].phases[0].downloaded == 0 and again["warm_cache_rest"].phases[0].downloaded == 0
     # A damaged cached file is fetched again.
     victim = cache / train[0]
     victim.write_bytes(b"garbage")
     third = run_chain(ctx, warm_cache, warm_cache_rest)
-    assert sum(s["downloaded"] for r in third.values() for s in r["stages"]) == 1
+    assert sum(p.downloaded for r in third.values() for p in r.phases) == 1
 
 
 def test_warm_cache_resumes_a_partial_download(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
-    manifest = json.loads(ctx.storage.read_bytes(f"{conv['prefix']}/manifest.json"))
+    manifest = json.loads(ctx.storage.read_bytes(f"{conv.prefix}/manifest.json"))
     entry = next(f for f in manifest["files"] if f["path"].endswith(".parquet"))
-    src = Path(ctx.storage.local_path(f"{conv['prefix']}/{entry['path']}")).read_bytes()
+    src = Path(ctx.storage.local_path(f"{conv.prefix}/{entry['path']}")).read_bytes()
     dst = tmp_path / "c" / "x.parquet"
     part = dst.with_name(".x.parquet.part")
     part.parent.mkdir(parents=True)
     part.write_bytes(src[:1000])  # an interrupted download
-    got = warm_cache.fetch(ctx.storage, f"{conv['prefix']}/{entry['path']}", dst, entry)
+    got = warm_cache.fetch(ctx.storage, f"{conv.prefix}/{entry['path']}", dst, entry)
     assert got == len(src) - 1000 and dst.read_bytes() == src and not part.exists()
     part.write_bytes(b"X" * 1000)  # a part that is not a prefix of the object: refused, removed
     with pytest.raises(DataError, match="size or sha256 differs"):
-        warm_cache.fetch(ctx.storage, f"{conv['prefix']}/{entry['path']}", tmp_path / "c" / "x.parquet", entry)
+        warm_cache.fetch(ctx.storage, f"{conv.prefix}/{entry['path']}", tmp_path / "c" / "x.parquet", entry)
     assert not part.exists()
 
 
 def test_warm_cache_refuses_damaged_source_and_over_budget(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
-    first = plan_stages(json.loads(ctx.storage.read_bytes(f"{conv['prefix']}/manifest.json")), "petastorm",
+    first = plan_phases(json.loads(ctx.storage.read_bytes(f"{conv.prefix}/manifest.json")), "petastorm",
                         [0.25, 1.0], world=2, seed=0)[0]
     victim = next(f["path"] for f in first if f["path"].endswith(".parquet"))
-    shard = Path(ctx.storage.local_path(conv["prefix"])) / victim
+    shard = Path(ctx.storage.local_path(conv.prefix)) / victim
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -359,7 +360,7 @@ def test_warm_cache_refuses_damaged_source_and_over_budget(tmp_path, digits_raw)
 def test_warm_cache_refuses_keys_escaping_the_cache(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
-    key = f"{conv['prefix']}/manifest.json"
+    key = f"{conv.prefix}/manifest.json"
     manifest = json.loads(ctx.storage.read_bytes(key))
     manifest["files"][0]["path"] = "../../../etc/evil"
     ctx.storage.write_bytes(key, json.dumps(manifest).encode())
@@ -433,9 +434,9 @@ def test_a_download_cut_mid_object_is_named_and_resumed(tmp_path, digits_raw):
     """A connection dropped mid-object: StorageError naming it, the .part kept, the next try resumes."""
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
-    manifest = json.loads(ctx.storage.read_bytes(f"{conv['prefix']}/manifest.json"))
+    manifest = json.loads(ctx.storage.read_bytes(f"{conv.prefix}/manifest.json"))
     entry = next(f for f in manifest["files"] if f["path"].endswith(".parquet"))
-    key = f"{conv['prefix']}/{entry['path']}"
+    key = f"{conv.prefix}/{entry['path']}"
 
     class Cut:
         def __init__(self, inner):

@@ -111,10 +111,10 @@ def test_data_plane_through_s3(bucket, tmp_path, digits_raw):
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["storage"].update(uri=f"s3://{bucket}/pipes", max_attempts=2))
     out = run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)
-    prefix = out["convert"]["prefix"]
+    prefix = out["convert"].prefix
     manifest = json.loads(ctx.storage.read_bytes(f"{prefix}/manifest.json"))
     assert all(ctx.storage.exists(f"{prefix}/{f['path']}") for f in manifest["files"])
-    cache = tmp_path / "cache" / "digits" / out["convert"]["dataset_id"]
+    cache = tmp_path / "cache" / "digits" / out["convert"].dataset_id
     entry = next(f for f in manifest["files"] if f["path"].endswith(".parquet") and f["split"] == "train")
     dst = cache / entry["path"]
     original = dst.read_bytes()

@@ -35,7 +35,7 @@ def launch(tmp: Path, cache: dict, *, epochs: int, edit=None, out: str = "out") 
     spec = parse_spec(d)
     out_dir = tmp / out
     out_dir.mkdir(exist_ok=True)
-    cfg = run_config(spec, data_dir=cache["cache_dir"], data_format=cache["format"],
+    cfg = run_config(spec, data_dir=cache.cache_dir, data_format=cache.format,
                      checkpoint_dir=str(tmp / "ckpt"), output_dir=str(out_dir))
     cfg.dump(out_dir / "run.json")
     proc = subprocess.run(torchrun_argv(spec, out_dir / "run.json"), capture_output=True, text=True, timeout=300)
@@ -87,7 +87,7 @@ def test_resume_from_committed_checkpoint_matches_an_uninterrupted_run(tmp_path,
 def test_bad_run_config_exits_with_config_code_and_record(tmp_path, digits_cache):
     d = example_data()
     spec = parse_spec(d)
-    cfg = run_config(spec, data_dir=digits_cache["cache_dir"], data_format="petastorm",
+    cfg = run_config(spec, data_dir=digits_cache.cache_dir, data_format="petastorm",
                      checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "out"))
     data = cfg.model_dump(mode="json")
     data["model"]["model"] = "resnet9000"  # past the spec's check: the trainer's own load refuses it too
@@ -230,7 +230,7 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
         digits_cache = run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
 
     def collect(rank, workers, start=0, epoch=1, batch=16):
-        loader = EpochLoader(Path(digits_cache["cache_dir"]), fmt=fmt, rank=rank, world=2, seed=5, workers=workers)
+        loader = EpochLoader(Path(digits_cache.cache_dir), fmt=fmt, rank=rank, world=2, seed=5, workers=workers)
         xs, ys = zip(*loader.batches(epoch, batch=batch, start=start))
         return torch.cat(xs), torch.cat(ys), loader
 
@@ -256,7 +256,7 @@ def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
     from training.failure import DataFailure
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["training"].update(data_format=fmt))
-    cache = Path(run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]["cache_dir"])
+    cache = Path(run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"].cache_dir)
     copy = tmp_path / "copy"
     shutil.copytree(cache, copy)
     ext = "parquet" if fmt == "petastorm" else "tfrecord"

@@ -7,11 +7,17 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Literal, TypeVar, overload
+
+from pydantic import ValidationError
 
 from ballast.errors import BallastError
+from ballast.records import (RECORDS, ConvertResult, EvaluateResult, PublishResult, Record, RunReport, TrainResult,
+                             ValidateResult, VerifyResult, WarmCacheResult, current_version)
 from ballast.spec import Spec
 from ballast.storage import Storage, ballast_home, open_storage
+
+R = TypeVar("R", bound=Record)
 
 
 def safe_run_id(run_id: str) -> str:
@@ -59,12 +65,69 @@ class RunContext:
     def result_key(self, stage: str) -> str:
         return f"{self.run_key}/stages/{stage}.json"
 
-    def save_result(self, stage: str, result: dict[str, Any]) -> None:
-        self.storage.write_bytes(self.result_key(stage), json.dumps(result, indent=2, default=str).encode())
+    def save_result(self, stage: str, record: Record) -> None:
+        """Save a stage's record as readable JSON (with its version) at `result_key(stage)`."""
+        expected = RECORDS.get(stage)
+        if expected is not None and not isinstance(record, expected):
+            raise TypeError(f"stage {stage!r} records a {expected.__name__}, not {type(record).__name__}")
+        self.storage.write_bytes(self.result_key(stage), record.model_dump_json(indent=2).encode())
 
-    def result(self, stage: str) -> dict[str, Any]:
+    @overload
+    def result(self, stage: Literal["validate"]) -> ValidateResult: ...
+    @overload
+    def result(self, stage: Literal["convert"]) -> ConvertResult: ...
+    @overload
+    def result(self, stage: Literal["warm_cache"]) -> WarmCacheResult: ...
+    @overload
+    def result(self, stage: Literal["train"]) -> TrainResult: ...
+    @overload
+    def result(self, stage: Literal["verify_checkpoint"]) -> VerifyResult: ...
+    @overload
+    def result(self, stage: Literal["evaluate"]) -> EvaluateResult: ...
+    @overload
+    def result(self, stage: Literal["publish"]) -> PublishResult: ...
+    @overload
+    def result(self, stage: str) -> Record: ...
+
+    def result(self, stage: str) -> Record:
+        """The typed record `stage` saved for this run; a missing, unreadable or other-version one is a
+        BallastError naming its storage key and what to do."""
+        model = RECORDS.get(stage)
+        if model is None:
+            raise BallastError(f"stage {stage!r} keeps no record; stages that do: {', '.join(RECORDS)}")
         key = self.result_key(stage)
         if not self.storage.exists(key):
             raise BallastError(f"{self.storage.describe(key)}: stage {stage!r} has no result for run {self.run_id};"
                                f" run the pipeline from the start (or clear that task) first")
-        return json.loads(self.storage.read_bytes(key))
+        return self._read(key, model, f"clear task {stage!r} of run {self.run_id} so that it records its result again")
+
+    @property
+    def report_key(self) -> str:
+        """Storage key of the run's report, written by publish."""
+        return f"{self.run_key}/report.json"
+
+    def report(self) -> RunReport:
+        """The run's report (publish writes it last), validated like a stage record."""
+        key = self.report_key
+        if not self.storage.exists(key):
+            raise BallastError(f"{self.storage.describe(key)}: run {self.run_id} has no report; it is written when"
+                               f" task 'publish' succeeds")
+        return self._read(key, RunReport, f"clear task 'publish' of run {self.run_id} so that it writes it again")
+
+    def _read(self, key: str, model: type[R], rerun: str) -> R:
+        where = self.storage.describe(key)
+        try:
+            data = json.loads(self.storage.read_bytes(key))
+        except ValueError as exc:
+            raise BallastError(f"{where}: not a readable {model.__name__} record ({exc}); {rerun}") from exc
+        want = current_version(model)
+        got = data.get("version") if isinstance(data, dict) else None
+        if got != want:
+            raise BallastError(f"{where}: {model.__name__} version {got!r}, this Ballast reads version {want}"
+                               f" (written by another Ballast version); {rerun}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field_path = ".".join(str(p) for p in first["loc"]) or "(record)"
+            raise BallastError(f"{where}: {model.__name__}.{field_path}: {first['msg']}; {rerun}") from exc

@@ -90,17 +90,16 @@ def run_demo(spec_name: str = "digits", conf: dict[str, str] | None = None) -> i
     storage = open_storage(spec.storage.uri, spec.storage.conn_id)
     print()
     print(f"DAG run {dr.run_id}: {dr.state} in {time.monotonic() - t0:.0f}s (AIRFLOW_HOME={os.environ['AIRFLOW_HOME']})")
-    report_key = f"{ctx.run_key}/report.json"
-    if str(dr.state) != "success" or not storage.exists(report_key):
+    if str(dr.state) != "success" or not storage.exists(ctx.report_key):
         print(f"the run did not succeed; task logs are under {os.environ['AIRFLOW_HOME']}/logs", file=sys.stderr)
         return 1
-    report = json.loads(storage.read_bytes(report_key))
-    print(f"model:       {report['model']}")
-    print(f"model card:  {report['model_card']}")
-    print(f"checkpoints: {report['checkpoints']}")
-    print(f"report:      {storage.describe(report_key)}")
-    t = report["test"]
-    print(f"final metric: test {t['metric']} = {t['value']:.4f} on {t['test_rows']} held-out rows "
-          f"({report['training']['epochs']} epochs{', stopped early' if report['training']['stopped_early'] else ''})")
+    report = ctx.report()
+    print(f"model:       {report.model}")
+    print(f"model card:  {report.model_card}")
+    print(f"checkpoints: {report.checkpoints}")
+    print(f"report:      {storage.describe(ctx.report_key)}")
+    t, tr = report.test, report.training
+    print(f"final metric: test {t.metric} = {t.value:.4f} on {t.test_rows} held-out rows "
+          f"({tr.epochs} epochs{', stopped early' if tr.stopped_early else ''})")
     del root
     return 0

@@ -37,9 +37,9 @@ def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str,
         if stage == STAGES[0]:
             ctx.storage.write_bytes(f"{ctx.run_key}/spec.json", spec.model_dump_json(indent=2).encode())
         module = importlib.import_module(f"ballast.stages.{stage}")
-        result = module.run(ctx)
-        ctx.save_result(stage, result)
-        return result
+        record = module.run(ctx)
+        ctx.save_result(stage, record)
+        return record.model_dump(mode="json")  # XCom: the record's JSON form
     except BallastError as exc:
         log.error("%s failed: %s", stage, exc)
         fatal = isinstance(exc, (SpecError, DataError, QualityGateError)) or (

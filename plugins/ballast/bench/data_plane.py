@@ -319,6 +319,7 @@ def bench_warmup(*, rows: int = 300_000, repeat: int = 2, concurrency: int = 8) 
     from ballast.context import RunContext
     from ballast.demo import write_synthetic
     from ballast.packing import layout, plan_chunks
+    from ballast.records import ConvertResult
     from ballast.stages import warm_cache
     from ballast.stages.convert import convert_arrow, finish
 
@@ -350,7 +351,7 @@ def bench_warmup(*, rows: int = 300_000, repeat: int = 2, concurrency: int = 8) 
                 ctx.storage.upload(staging / e["path"], f"{prefix}/{e['path']}")
             manifest = {**layout(spec.dataset), "rows": {}, "files": entries}
             ctx.storage.write_bytes(f"{prefix}/manifest.json", json.dumps(manifest).encode())
-            ctx.save_result("convert", {"dataset_id": "x", "prefix": prefix})
+            ctx.save_result("convert", ConvertResult(dataset_id="x", prefix=prefix, reused=False, rows={}))
             total_bytes = sum(e["bytes"] for e in entries)
             client = boto3.client("s3", endpoint_url=endpoint)
 

@@ -27,6 +27,7 @@ from ballast.errors import DataError
 from ballast.packing import (FORMAT_VERSION, SPLITS, FeatureEncoder, layout, plan_chunks, read_chunk, split_codes,
                              unischema, write_petastorm_metadata, write_shard)
 from ballast.rawdata import fingerprint_files, raw_files
+from ballast.records import ConvertResult
 from ballast.storage import ballast_home, sha256_file
 
 
@@ -44,10 +45,10 @@ def load_quarantined(ctx: RunContext) -> Any:
     """Global row ids validation set aside (sorted int64), or an empty array."""
     import numpy as np
 
-    q = (ctx.result("validate") or {}).get("quarantine")
-    if not q or not q.get("rows"):
+    q = ctx.result("validate").quarantine
+    if q is None or not q.rows:
         return np.zeros(0, np.int64)
-    return np.load(io.BytesIO(ctx.storage.read_bytes(q["row_ids_key"])), allow_pickle=False)
+    return np.load(io.BytesIO(ctx.storage.read_bytes(q.row_ids_key)), allow_pickle=False)
 
 
 class Progress:
@@ -128,10 +129,9 @@ def finish(staging: Path, spec, entries: list[dict]) -> list[dict]:
     return sorted(out, key=lambda e: (e["format"], SPLITS.index(e["split"]), e["path"]))
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> ConvertResult:
     spec = ctx.spec
-    validated = ctx.result("validate")
-    fingerprint = validated["input_fingerprint"]
+    fingerprint = ctx.result("validate").input_fingerprint
     bad_rows = load_quarantined(ctx)
     quarantined = hashlib.sha256(bad_rows.tobytes()).hexdigest() if bad_rows.size else ""
     did = dataset_id(ctx, fingerprint, quarantined)
@@ -139,7 +139,7 @@ def run(ctx: RunContext) -> dict:
     if ctx.storage.exists(f"{prefix}/manifest.json"):
         manifest = json.loads(ctx.storage.read_bytes(f"{prefix}/manifest.json"))
         ctx.log.info("reusing converted dataset %s (same input and settings)", ctx.storage.describe(prefix))
-        return {"dataset_id": did, "prefix": prefix, "reused": True, "rows": manifest["rows"]}
+        return ConvertResult(dataset_id=did, prefix=prefix, reused=True, rows=manifest["rows"])
 
     t0 = time.monotonic()
     files = raw_files(ctx)
@@ -178,8 +178,8 @@ def run(ctx: RunContext) -> dict:
     seconds = time.monotonic() - t0
     ctx.log.info("converted %d rows into %d files in %.2fs (%s)", total, len(entries), seconds,
                  ", ".join(f"{s}={n}" for s, n in rows.items()))
-    return {"dataset_id": did, "prefix": prefix, "reused": False, "rows": rows, "files": len(entries),
-            "engine": spec.conversion.engine, "seconds": round(seconds, 3)}
+    return ConvertResult(dataset_id=did, prefix=prefix, reused=False, rows=rows, files=len(entries),
+                         engine=spec.conversion.engine, seconds=round(seconds, 3))
 
 
 def _staging_root() -> Path:

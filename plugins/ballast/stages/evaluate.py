@@ -11,9 +11,10 @@ from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import DataError, QualityGateError
+from ballast.records import EvaluateResult
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> EvaluateResult:
     import torch
     import torch.nn.functional as F
 
@@ -23,12 +24,12 @@ def run(ctx: RunContext) -> dict:
     from training.models import build_model
 
     spec = ctx.spec
-    best = Path(ctx.result("verify_checkpoint")["best"]["path"])
+    best = Path(ctx.result("verify_checkpoint").best.path)
     cache = ctx.result("warm_cache")
     feature = spec.dataset.features[0]
     shape = list(feature.shape) or [1]
     try:
-        test = load_split(Path(cache["cache_dir"]), "test", fmt=cache["format"], num_classes=spec.dataset.num_classes)
+        test = load_split(Path(cache.cache_dir), "test", fmt=cache.format, num_classes=spec.dataset.num_classes)
     except DataFailure as exc:
         raise DataError(str(exc)) from exc
     model = build_model(spec.training.model, input_shape=shape, num_classes=spec.dataset.num_classes,
@@ -44,16 +45,14 @@ def run(ctx: RunContext) -> dict:
     per_class = {int(c): round(float((pred[y == c] == c).float().mean()), 4) for c in torch.unique(y)}
     value = accuracy if spec.evaluation.metric == "accuracy" else loss
     history = ckpt.read_trainer_state(best)["history"]
-    result = {"metric": spec.evaluation.metric, "value": value, "accuracy": accuracy, "loss": loss,
-              "test_rows": len(test), "per_class_accuracy": per_class, "checkpoint": str(best),
-              "validation_history": history, "threshold": spec.evaluation.threshold}
-    ctx.log.info("test %s = %.4f on %d held-out rows (checkpoint %s)", spec.evaluation.metric, value, len(test), best)
     thr = spec.evaluation.threshold
-    if thr is not None:
-        ok = value >= thr if spec.evaluation.mode == "max" else value <= thr
-        result["passed"] = ok
-        if not ok:
-            ctx.save_result("evaluate", result)  # keep the numbers for the report even though we stop here
-            raise QualityGateError(f"evaluation.threshold: test {spec.evaluation.metric} {value:.4f} does not reach"
-                                   f" {thr} ({spec.evaluation.mode}); the model is not published")
+    ok = None if thr is None else (value >= thr if spec.evaluation.mode == "max" else value <= thr)
+    result = EvaluateResult(metric=spec.evaluation.metric, value=value, accuracy=accuracy, loss=loss,
+                            test_rows=len(test), per_class_accuracy=per_class, checkpoint=str(best),
+                            validation_history=history, threshold=thr, passed=ok)
+    ctx.log.info("test %s = %.4f on %d held-out rows (checkpoint %s)", spec.evaluation.metric, value, len(test), best)
+    if ok is False:
+        ctx.save_result("evaluate", result)  # keep the numbers for the report even though we stop here
+        raise QualityGateError(f"evaluation.threshold: test {spec.evaluation.metric} {value:.4f} does not reach"
+                               f" {thr} ({spec.evaluation.mode}); the model is not published")
     return result

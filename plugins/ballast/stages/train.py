@@ -20,9 +20,10 @@ from pathlib import Path
 from ballast.context import RunContext
 from ballast.errors import LaunchError
 from ballast.launch_spec import adapt_micro_batch, run_config, torchrun_argv
+from ballast.records import BestValidation, TrainResult
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> TrainResult:
     from training.failure import RETRYABLE, read_record
 
     spec = ctx.spec
@@ -47,16 +48,16 @@ def run(ctx: RunContext) -> dict:
         os.replace(out_dir / "failure.json", out_dir / f"failure-{int(prev['time'])}.json")
     state_file.write_text(json.dumps({"micro_batch_size": micro}))
 
-    cfg = run_config(spec, data_dir=cache["cache_dir"], data_format=cache["format"], checkpoint_dir=str(ckpt_dir),
+    cfg = run_config(spec, data_dir=cache.cache_dir, data_format=cache.format, checkpoint_dir=str(ckpt_dir),
                      output_dir=str(out_dir), micro_batch_size=micro,
-                     data_wait_seconds=spec.cache.wait_seconds if cache.get("pending_stages") else 0.0)
+                     data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0)
     config_path = out_dir / "run.json"
     cfg.dump(config_path)
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
     ctx.log.info("launching: %s", " ".join(argv))
     # The trainer's own watchdog (same timeout) fires first and classifies the hang; this outer guard
     # catches what it cannot see, such as a group stuck in rendezvous before the first step.
-    warmer = _Warmer(ctx) if cache.get("pending_stages") else None
+    warmer = _Warmer(ctx) if cache.pending_phases else None
     try:
         rc, hung = _supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60,
                               abort=(lambda: warmer.error) if warmer else None)
@@ -79,14 +80,14 @@ def run(ctx: RunContext) -> dict:
                           failure_class=cls, retryable=cls in RETRYABLE)
     summary = json.loads((out_dir / "summary.json").read_text())
     uploaded = upload_checkpoints(ctx, ckpt_dir)
-    best = summary["best"] or {}
+    best = BestValidation.model_validate(summary["best"]) if summary["best"] else None
     ctx.log.info("training done: %d epochs, %d steps, best val %s %.4f at step %s%s", summary["epochs"],
-                 summary["steps"], spec.evaluation.metric, best.get("value", float("nan")), best.get("step"),
-                 " (stopped early)" if summary["stopped_early"] else "")
-    return {"summary": str(out_dir / "summary.json"), "checkpoint_dir": str(ckpt_dir),
-            "best_checkpoint": summary["best_checkpoint"], "last_checkpoint": summary["last_checkpoint"],
-            "epochs": summary["epochs"], "steps": summary["steps"], "stopped_early": summary["stopped_early"],
-            "best": best, "micro_batch_size": micro, "uploaded_checkpoints": uploaded}
+                 summary["steps"], spec.evaluation.metric, best.value if best else float("nan"),
+                 best.step if best else None, " (stopped early)" if summary["stopped_early"] else "")
+    return TrainResult(summary=str(out_dir / "summary.json"), checkpoint_dir=str(ckpt_dir),
+                       best_checkpoint=summary["best_checkpoint"], last_checkpoint=summary["last_checkpoint"],
+                       epochs=summary["epochs"], steps=summary["steps"], stopped_early=summary["stopped_early"],
+                       best=best, micro_batch_size=micro, uploaded_checkpoints=uploaded)
 
 
 def upload_checkpoints(ctx: RunContext, ckpt_dir: Path) -> list[str]:
@@ -123,7 +124,7 @@ def stop_running() -> None:
 
 
 class _Warmer(threading.Thread):
-    """The cache's later stages, warmed beside training on this node; `error` once it failed."""
+    """The cache's later warm-up phases, warmed beside training on this node; `error` once it failed."""
 
     def __init__(self, ctx: RunContext):
         super().__init__(name="warm-cache-rest", daemon=True)

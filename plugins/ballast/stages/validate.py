@@ -15,6 +15,7 @@ from pathlib import Path
 from ballast.context import RunContext
 from ballast.errors import DataError, SpecError
 from ballast.rawdata import check_frame, fingerprint_files, raw_files, read_table
+from ballast.records import Quarantine, ValidateResult
 from ballast.spec import RuleSpec
 
 
@@ -50,7 +51,7 @@ def rules_for(ctx: RunContext) -> list[dict]:
     return rules
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> ValidateResult:
     import data_checks
 
     t0 = time.monotonic()
@@ -62,15 +63,15 @@ def run(ctx: RunContext) -> dict:
     ctx.log.info("validating %d rows from %d file(s) with %d rules", table.num_rows, len(files), len(rules))
     quarantine = v.on_failure == "quarantine"
     report = data_checks.run(frame, rules, array_columns=arrays, name=ctx.spec.name, row_indices=quarantine)
-    result = {
-        "rows": table.num_rows,
-        "files": [str(p) for p in files],
-        "input_fingerprint": fingerprint_files(files),
-        "expectations": report.evaluated,
-        "failures": [f.line() for f in report.failures],
-        "data_docs": _keep_data_docs(ctx, report.docs_dir),
-        "seconds": round(time.monotonic() - t0, 3),
-    }
+    result = ValidateResult(
+        rows=table.num_rows,
+        files=[str(p) for p in files],
+        input_fingerprint=fingerprint_files(files),
+        expectations=report.evaluated,
+        failures=[f.line() for f in report.failures],
+        data_docs=_keep_data_docs(ctx, report.docs_dir),
+        seconds=round(time.monotonic() - t0, 3),
+    )
     if report.success:
         ctx.log.info("all %d expectations passed on %d rows", report.evaluated, table.num_rows)
         return result
@@ -85,11 +86,10 @@ def run(ctx: RunContext) -> dict:
         ctx.save_result("validate", result)
         raise DataError(f"{where}: table-level expectations failed, which quarantining rows cannot fix: "
                         + "; ".join(f.line() for f in table_level))
-    result["quarantine"] = _quarantine(ctx, table, report, result)
-    return result
+    return result.model_copy(update={"quarantine": _quarantine(ctx, table, report, result)})
 
 
-def _quarantine(ctx: RunContext, table, report, result: dict) -> dict:
+def _quarantine(ctx: RunContext, table, report, result: ValidateResult) -> Quarantine:
     """Set the failing rows aside in a quarantine file; fail if there are more than allowed."""
     import io
 
@@ -122,8 +122,8 @@ def _quarantine(ctx: RunContext, table, report, result: dict) -> dict:
     ctx.log.warning("quarantined %d of %d rows (%.2f%%, limit %.2f%%) into %s; the other rows go on", len(bad),
                     table.num_rows, 100 * fraction, 100 * v.max_bad_fraction,
                     ctx.storage.describe(f"{prefix}/rows.parquet"))
-    return {"rows": int(len(bad)), "fraction": round(fraction, 6), "file": f"{prefix}/rows.parquet",
-            "row_ids_key": f"{prefix}/row_ids.npy"}
+    return Quarantine(rows=int(len(bad)), fraction=round(fraction, 6), file=f"{prefix}/rows.parquet",
+                      row_ids_key=f"{prefix}/row_ids.npy")
 
 
 def _keep_data_docs(ctx: RunContext, docs_dir: Path | None) -> str | None:

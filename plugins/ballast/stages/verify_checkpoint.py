@@ -11,9 +11,10 @@ from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import CheckpointError
+from ballast.records import CheckedCheckpoint, VerifyResult
 
 
-def check(path: Path, ctx: RunContext) -> dict:
+def check(path: Path, ctx: RunContext) -> CheckedCheckpoint:
     import torch
 
     from training import checkpoint as ckpt
@@ -38,19 +39,15 @@ def check(path: Path, ctx: RunContext) -> dict:
     if bad:
         raise CheckpointError(f"{path / 'model.pt'}: non-finite values in {', '.join(bad[:5])}")
     n_params = sum(t.numel() for t in weights.values())
-    return {"path": str(path), "step": state["step"], "files": len(manifest["files"]), "parameters": n_params}
+    return CheckedCheckpoint(path=str(path), step=state["step"], files=len(manifest["files"]), parameters=n_params)
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> VerifyResult:
     train = ctx.result("train")
-    best = Path(train["best_checkpoint"]) if train["best_checkpoint"] else None
-    last = Path(train["last_checkpoint"])
-    checked = {"last": check(last, ctx)}
-    if best is not None and best != last:
-        checked["best"] = check(best, ctx)
-    else:
-        checked["best"] = checked["last"]
-    ctx.log.info("checkpoints verified: best %s (step %d), last %s (step %d), %d parameters",
-                 checked["best"]["path"], checked["best"]["step"], checked["last"]["path"], checked["last"]["step"],
-                 checked["best"]["parameters"])
-    return checked
+    best = Path(train.best_checkpoint) if train.best_checkpoint else None
+    last = Path(train.last_checkpoint)
+    checked_last = check(last, ctx)
+    checked_best = check(best, ctx) if best is not None and best != last else checked_last
+    ctx.log.info("checkpoints verified: best %s (step %d), last %s (step %d), %d parameters", checked_best.path,
+                 checked_best.step, checked_last.path, checked_last.step, checked_best.parameters)
+    return VerifyResult(last=checked_last, best=checked_best)

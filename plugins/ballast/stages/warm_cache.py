@@ -1,17 +1,18 @@
-"""Stage 3: copy the converted dataset into the node-local cache, in stages, every file verified.
+"""Stage 3: copy the converted dataset into the node-local cache, in warm-up phases, every file verified.
 
-Stage k of `cache.stages` brings in the training files that hold the first `fraction` of every
-rank's samples of epoch 0, in the order the trainer reads them (the same plan, training.data), so
-stage 1 is exactly what the first steps need. This task warms stage 1 with the dataset's metadata
-and writes the cache's manifest; training starts then, and the train task warms the later stages
-(`warm_rest`), then the validation and test sets (the last stage), in the background on the same
-node; the trainer waits for a shard that is not in yet and loads the validation set at its first
-evaluation.
+The spec's `cache.stages` are these warm-up phases (named "phases" in code and records, so that
+"stage" means a pipeline stage only). Phase k brings in the training files that hold the first
+`fraction` of every rank's samples of epoch 0, in the order the trainer reads them (the same plan,
+training.dataset.order), so phase 1 is exactly what the first steps need. This task warms phase 1
+with the dataset's metadata and writes the cache's manifest; training starts then, and the train
+task warms the later phases (`warm_rest`), then the validation and test sets (the last phase), in
+the background on the same node; the trainer waits for a shard that is not in yet and loads the
+validation set at its first evaluation.
 
 A file counts as cached only once its size and sha256 match the manifest: it is streamed into
 `.<name>.part`, hashed while written, and renamed only when it matches. A re-run skips verified
 files and resumes a partial download from where it stopped. Object keys that would leave the cache
-directory are refused, and a stage that would exceed the byte budget or the free disk is refused
+directory are refused, and a phase that would exceed the byte budget or the free disk is refused
 before it starts.
 """
 
@@ -29,13 +30,14 @@ from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
+from ballast.records import WarmCacheResult, WarmUpPhase
 from ballast.storage import Storage, atomic_write_bytes, safe_join, sha256_file
 
 _BLOCK = 1 << 20
 
 
-def plan_stages(manifest: dict, fmt: str, fractions: list[float], *, world: int, seed: int) -> list[list[dict]]:
-    """The manifest's files of one format, cut into cumulative cache stages in training's read order."""
+def plan_phases(manifest: dict, fmt: str, fractions: list[float], *, world: int, seed: int) -> list[list[dict]]:
+    """The manifest's files of one format, cut into cumulative warm-up phases in training's read order."""
     from training.dataset.format import blocks_of
     from training.dataset.order import rank_spans
 
@@ -47,7 +49,7 @@ def plan_stages(manifest: dict, fmt: str, fractions: list[float], *, world: int,
     first = [f for f in files if f.get("kind") == "metadata"]
     out, taken = [], {f["path"] for f in first}
     for i, frac in enumerate(fractions):
-        stage = list(first) if i == 0 else []
+        phase = list(first) if i == 0 else []
         need = math.ceil(frac * per_rank)
         for rank_spans_ in spans:
             got = 0
@@ -57,12 +59,12 @@ def plan_stages(manifest: dict, fmt: str, fractions: list[float], *, world: int,
                 path = blocks[b].path
                 if path not in taken:
                     taken.add(path)
-                    stage.append(by_path[path])
+                    phase.append(by_path[path])
                 got += len(rows)
         if i == len(fractions) - 1:
-            stage += [f for f in files if f["path"] not in taken]
+            phase += [f for f in files if f["path"] not in taken]
             taken.update(f["path"] for f in files)
-        out.append(stage)
+        out.append(phase)
     return out
 
 
@@ -112,23 +114,24 @@ def fetch(storage: Storage, key: str, dst: Path, entry: dict) -> int:
     return got
 
 
-def warm(ctx: RunContext, stage_indices: list[int]) -> dict:
+def warm(ctx: RunContext, phase_indices: list[int]) -> WarmCacheResult:
+    """Warm the phases `phase_indices` (0-based indices into `cache.stages`) into the node-local cache."""
     spec = ctx.spec
     conv = ctx.result("convert")
-    prefix = conv["prefix"]
+    prefix = conv.prefix
     manifest = json.loads(ctx.storage.read_bytes(f"{prefix}/manifest.json"))
     fmt = spec.train_format
-    cache_dir = ctx.cache_root / spec.name / conv["dataset_id"]
+    cache_dir = ctx.cache_root / spec.name / conv.dataset_id
     cache_dir.mkdir(parents=True, exist_ok=True)
     for f in manifest["files"]:
         safe_join(cache_dir, f["path"])  # a manifest with one key escaping the cache is refused whole
-    stages = plan_stages(manifest, fmt, [s.fraction for s in spec.cache.stages],
+    phases = plan_phases(manifest, fmt, [s.fraction for s in spec.cache.stages],
                          world=spec.training.world_size, seed=spec.training.seed)
     budget = spec.cache.max_bytes
-    summary = []
+    summary: list[WarmUpPhase] = []
     t_all = time.monotonic()
-    for i in stage_indices:
-        stage_spec, entries = spec.cache.stages[i], stages[i]
+    for i in phase_indices:
+        phase_spec, entries = spec.cache.stages[i], phases[i]
         t0 = time.monotonic()
         todo = []
         for e in entries:
@@ -138,11 +141,11 @@ def warm(ctx: RunContext, stage_indices: list[int]) -> dict:
         need = sum(e["bytes"] for e, _ in todo)
         used = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file() and not p.name.endswith(".part"))
         if budget is not None and used + need > budget:
-            raise StorageError(f"cache.max_bytes: stage {stage_spec.name!r} needs {need} more bytes in {cache_dir}"
+            raise StorageError(f"cache.max_bytes: stage {phase_spec.name!r} needs {need} more bytes in {cache_dir}"
                                f" ({used} used, budget {budget}); raise cache.max_bytes or free the cache")
         free = shutil.disk_usage(cache_dir).free
         if need > free:
-            raise StorageError(f"cache.directory: {cache_dir} has {free} bytes free, stage {stage_spec.name!r}"
+            raise StorageError(f"cache.directory: {cache_dir} has {free} bytes free, stage {phase_spec.name!r}"
                                f" needs {need}; free disk or point cache.directory elsewhere")
         lock = threading.Lock()
         done = {"files": 0, "bytes": 0}
@@ -158,30 +161,30 @@ def warm(ctx: RunContext, stage_indices: list[int]) -> dict:
                     last_log[0] = now
                     rate = done["bytes"] / max(now - t0, 1e-6)
                     eta = (need - done["bytes"]) / rate if rate else 0.0
-                    ctx.log.info("cache stage %s: %d/%d files, %.1f/%.1f MB, %.1f MB/s, ETA %.0fs", stage_spec.name,
+                    ctx.log.info("cache phase %s: %d/%d files, %.1f/%.1f MB, %.1f MB/s, ETA %.0fs", phase_spec.name,
                                  done["files"], len(todo), done["bytes"] / 1e6, need / 1e6, rate / 1e6, eta)
 
         with ThreadPoolExecutor(max_workers=spec.cache.concurrency) as pool:
             for fut in as_completed([pool.submit(one, e, d) for e, d in todo]):
                 fut.result()
         seconds = time.monotonic() - t0
-        ctx.log.info("cache stage %s ready: %d files (%d already cached) in %.2fs", stage_spec.name, len(entries),
+        ctx.log.info("cache phase %s ready: %d files (%d already cached) in %.2fs", phase_spec.name, len(entries),
                      len(entries) - len(todo), seconds)
-        summary.append({"stage": stage_spec.name, "files": len(entries), "downloaded": len(todo),
-                        "bytes": need, "seconds": round(seconds, 3)})
+        summary.append(WarmUpPhase(name=phase_spec.name, files=len(entries), downloaded=len(todo), bytes=need,
+                                   seconds=round(seconds, 3)))
         if i == 0:
-            # The trainer reads the manifest from the cache; it goes in once stage 1 is verified.
+            # The trainer reads the manifest from the cache; it goes in once phase 1 is verified.
             atomic_write_bytes(cache_dir / "manifest.json", json.dumps(manifest, indent=2).encode())
     os.utime(cache_dir)
-    return {"cache_dir": str(cache_dir), "format": fmt, "stages": summary,
-            "pending_stages": max(0, len(spec.cache.stages) - 1 - max(stage_indices, default=0)),
-            "seconds": round(time.monotonic() - t_all, 3)}
+    return WarmCacheResult(cache_dir=str(cache_dir), format=fmt, phases=summary,
+                           pending_phases=max(0, len(spec.cache.stages) - 1 - max(phase_indices, default=0)),
+                           seconds=round(time.monotonic() - t_all, 3))
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> WarmCacheResult:
     return warm(ctx, [0])
 
 
-def warm_rest(ctx: RunContext) -> dict:
-    """The later stages (what `run` left for the train task to bring in beside training)."""
+def warm_rest(ctx: RunContext) -> WarmCacheResult:
+    """The later phases (what `run` left for the train task to bring in beside training)."""
     return warm(ctx, list(range(1, len(ctx.spec.cache.stages))))
