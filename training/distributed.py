@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-from typing import Callable
+from typing import Any, Callable
 
 from training.config.sections import DistributedConfig
 
@@ -85,3 +85,23 @@ class Distributed:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+    def parallelize(self, model: Any, cfg: DistributedConfig) -> Any:
+        """DDP (optionally with gradient compression) or FSDP over the process group; as is alone."""
+        if not self.enabled:
+            return model
+        d = cfg
+        if d.parallelism == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)  # ZeRO-3: parameters, gradients and optimizer state sharded over ranks
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if d.gradient_compression != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+            ddp.register_comm_hook(None, hook[d.gradient_compression])
+        return ddp

@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,11 +33,12 @@ from training.config import RunConfig
 from training.dataset.loader import EpochLoader
 from training.dataset.reader import Split, load_split
 from training.distributed import Distributed
-from training.failure import EXIT_CODES, DataFailure, DivergenceFailure, Preempted, TrainingFailure, write_record
+from training.failure import DataFailure, DivergenceFailure, Preempted, TrainingFailure
 from training.faults import Injector, load_faults
 from training.models import build_configured_model, build_optimizer
-from training.monitor import Metrics, Nvml, Watchdog, grad_stats, memory_bytes
+from training.monitor import Metrics, grad_stats
 from training.state import TrainState
+from training.supervision import Supervision
 
 
 class Trainer:
@@ -52,8 +51,6 @@ class Trainer:
         self.dist = Distributed(cfg.distributed)
         self.rank = self.dist.rank
         self.state = TrainState()
-        self.preempt_at: float | None = None
-        self._slow_at = 0.0           # last heartbeat-file write and slow-gauge read
         self.train_seconds = 0.0      # time inside the step loop (no evaluation, no end-of-epoch save)
         self.samples = 0
         self._resumed_at: float | None = None
@@ -68,7 +65,6 @@ class Trainer:
         torch.set_num_threads(max(1, threads))
         if self.dist.device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(cfg.resources.gpu_memory_fraction, self.dist.device)
-        self.nvml = Nvml(self.dist.device.index if self.dist.device.type == "cuda" else None)
         torch.manual_seed(cfg.seed)
 
         data = cfg.data
@@ -81,7 +77,7 @@ class Trainer:
                               f" {list(self.train_data.decoder.shape)}, the model expects {list(cfg.model.input_shape)}")
 
         self.raw_model = build_configured_model(cfg.model).to(self.dist.device)
-        self.model = self._parallelize(self.raw_model)
+        self.model = self.dist.parallelize(self.raw_model, cfg.distributed)
         self.lr = cfg.optim.learning_rate
         self.opt = build_optimizer(cfg.optim.optimizer, self.model.parameters(), lr=self.lr,
                                    weight_decay=cfg.optim.weight_decay)
@@ -103,75 +99,17 @@ class Trainer:
             cfg.checkpoint, dist=self.dist, model=self.raw_model, optimizer=self.opt, scaler=self.scaler,
             state=self.state, states={"lr_schedule": self.sched, "spike_window": self.anomalies},
             model_section=cfg.model, parallelism=cfg.distributed.parallelism, metrics=self.metrics, log=self.log)
-        self.watchdog = Watchdog(cfg.execution.hang_timeout_seconds, out_dir=self.out, rank=self.rank,
-                                 on_hang=self._on_hang).start()
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _parallelize(self, model: Any) -> Any:
-        """DDP (optionally with gradient compression) or FSDP over the process group; as is alone."""
-        if not self.dist.enabled:
-            return model
-        d = self.cfg.distributed
-        if d.parallelism == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(model)  # ZeRO-3: parameters, gradients and optimizer state sharded over ranks
-            return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ddp = DDP(model, device_ids=[self.dist.device.index] if self.dist.device.type == "cuda" else None)
-        if d.gradient_compression != "none":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-            ddp.register_comm_hook(None, hook[d.gradient_compression])
-        return ddp
+        self.supervision = Supervision(out=self.out, rank=self.rank, device=self.dist.device, metrics=self.metrics,
+                                       hang_timeout=cfg.execution.hang_timeout_seconds,
+                                       preempt_grace=cfg.recovery.preempt_grace_seconds, step=lambda: self.state.step)
 
     @property
     def step(self) -> int:
         return self.state.step
 
-    # -- lifecycle ---------------------------------------------------------------------------------
-
-    def _on_sigterm(self, signum, frame) -> None:
-        if self.preempt_at is None:
-            self.preempt_at = time.monotonic()
-            # Past the grace period the process goes without a checkpoint; the last committed one stands.
-            timer = threading.Timer(self.cfg.recovery.preempt_grace_seconds, self._grace_expired)
-            timer.daemon = True
-            timer.start()
-
-    def _grace_expired(self) -> None:
-        grace = self.cfg.recovery.preempt_grace_seconds
-        write_record(self.out, Preempted(f"SIGTERM grace period of {grace:.0f}s expired before a checkpoint was"
-                                         f" committed"), step=self.step, rank=self.rank)
-        os._exit(EXIT_CODES["preempted"])
-
-    def _on_hang(self) -> None:
-        timeout = self.cfg.execution.hang_timeout_seconds
-        write_record(self.out, TrainingFailure(f"no progress for {timeout:.0f}s (watchdog); stacks in"
-                                               f" stacks-rank{self.rank}.txt", failure_class="hang"),
-                     step=self.step, rank=self.rank)
-        os._exit(EXIT_CODES["hang"])
-
     def log(self, msg: str) -> None:
         if self.rank == 0:
             print(f"[train] {msg}", flush=True)
-
-    def heartbeat(self, force: bool = True) -> None:
-        """Progress for the watchdog (every step) and, at most once a second unless forced, for the
-        outside: the heartbeat file the orchestrator watches and the slower gauges (process memory from
-        /proc, NVML), which cost more than a step's other bookkeeping together."""
-        self.watchdog.beat()
-        now = time.monotonic()
-        if not force and now - self._slow_at < 1.0:
-            return
-        self._slow_at = now
-        self.metrics.set(memory_bytes=memory_bytes(self.dist.device), **self.nvml.read())
-        if self.rank == 0:  # "<step> <unix time>", replaced atomically so readers never see it half written
-            tmp = self.out / ".heartbeat.tmp"
-            tmp.write_text(f"{self.step} {time.time()}\n")
-            os.replace(tmp, self.out / "heartbeat")
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -315,7 +253,7 @@ class Trainer:
                     # checkpoint being due, the time budget being spent.
                     now = time.monotonic()
                     budget = cfg.rehearsal.max_seconds
-                    host = torch.tensor([float(self.preempt_at is not None),
+                    host = torch.tensor([float(self.supervision.preempted),
                                          float(now - self.checkpoints.last_save >= cfg.checkpoint.every_seconds),
                                          float(budget is not None and now - self._started >= budget)],
                                         dtype=torch.float64)
@@ -337,7 +275,7 @@ class Trainer:
 
     def _record_step(self, loss: float, gnorm: float, t0: float, t1: float, t2: float, t3: float) -> None:
         step = self.step
-        self.heartbeat(force=False)
+        self.supervision.heartbeat(force=False)
         self.metrics.phases(data=t1 - t0, compute=t2 - t1, communication_optimizer=t3 - t2)
         self.metrics.set(step=step, loss=loss, grad_norm=gnorm, loss_scale=self.scaler.get_scale(),
                          learning_rate=self.opt.param_groups[0]["lr"],
@@ -405,7 +343,7 @@ class Trainer:
         cfg, st = self.cfg, self.state
         patience, metric = cfg.early_stop.patience, cfg.early_stop.metric
         self.resume()
-        self.heartbeat()
+        self.supervision.heartbeat()
         self.log(f"world {self.dist.world} ({self.dist.backend}, {cfg.distributed.parallelism}),"
                  f" {self.train_data.samples_per_rank * self.dist.world} train rows, micro-batch"
                  f" {cfg.batch.micro_batch_size} x accum {cfg.batch.grad_accum_steps}, lr {self.lr:g},"
@@ -433,7 +371,7 @@ class Trainer:
                 stopped_early = True
                 self.log(f"early stop: no improvement in {patience} epochs")
         self.checkpoints.wait()
-        self.watchdog.stop()
+        self.supervision.stop()
         root = self.checkpoints.root
         summary = {
             "steps": st.step, "epochs": st.epoch, "stopped_early": stopped_early,
