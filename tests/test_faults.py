@@ -385,3 +385,22 @@ def test_resume_from_the_average_of_the_last_checkpoints(tmp_path, cache):
                                                                  "checkpoint.resume_average_last": 3}))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resuming from the average of 3 checkpoints" in proc.stdout
+
+
+def test_a_monitor_setting_reaches_the_anomaly_policy_from_the_spec():
+    # One definition (training.config.sections.MonitorSettings.max_rollbacks): the spec field, its
+    # bounds, the run config and the policy that uses it.
+    from ballast.errors import SpecError
+    from ballast.launch_spec import run_config
+    from training.anomaly import AnomalyPolicy
+
+    d = example_data()
+    d["training"]["monitors"] = {"spike_action": "rollback", "max_rollbacks": 1}
+    cfg = run_config(parse_spec(d), data_dir="d", data_format="petastorm", checkpoint_dir="c", output_dir="o")
+    assert cfg.monitors.max_rollbacks == 1
+    policy = AnomalyPolicy(cfg.monitors, loss_scaling=False)
+    assert policy.may_roll_back_to("step-00000010") and not policy.may_roll_back_to("step-00000010")
+    assert policy.may_roll_back_to("step-00000020")  # counted per checkpoint
+    d["training"]["monitors"]["max_rollbacks"] = -1
+    with pytest.raises(SpecError, match=r"training\.monitors\.max_rollbacks: must be >= 0 \(got -1\)"):
+        parse_spec(d)

@@ -22,10 +22,6 @@ from typing import Literal
 from training.config.sections import MonitorSettings
 from training.monitor import SpikeDetector
 
-# Spikes that come back after every rollback are the data, not a fluke: after this many rollbacks to
-# the same checkpoint, training keeps going (the alert and the anomaly checkpoint still happen).
-MAX_ROLLBACKS_PER_CHECKPOINT = 3
-
 Action = Literal["train", "diverged", "rollback", "checkpoint", "alert"]
 
 
@@ -68,7 +64,7 @@ class AnomalyPolicy:
 
     def may_roll_back_to(self, checkpoint: str) -> bool:
         tries = self._rollbacks.get(checkpoint, 0)
-        if tries >= MAX_ROLLBACKS_PER_CHECKPOINT:
+        if tries >= self.monitors.max_rollbacks:  # a spike that keeps coming back is the data
             return False
         self._rollbacks[checkpoint] = tries + 1
         return True

@@ -224,6 +224,10 @@ class MonitorSettings(Section):
     anomaly_checkpoint_min_steps: int = Field(100, ge=0)
     """An anomaly (a loss spike under alert) checkpoints the last good state, at most once per this
     many steps so that a storm of alerts does not become a storm of saves; 0: after every anomaly."""
+    max_rollbacks: int = Field(3, ge=0, le=100)
+    """Under spike_action rollback: rollbacks to the same checkpoint after which a spike that keeps
+    coming back counts as the data, not a fluke, and training goes on (the alert and the anomaly
+    checkpoint still happen); 0: never roll back."""
 
 
 class EarlyStopSettings(Section):
