@@ -1,8 +1,10 @@
 """Run one stage inside an Airflow task: apply run parameters, call the stage, record its result.
 
-Errors in the BallastError family are logged as one line. Those that a retry cannot fix (bad spec,
-bad data, a model below the publish threshold, a training failure classed as non-retryable) fail the
-task without retrying; the others are re-raised for Airflow's retries.
+A failure of the training package that reaches here (`TrainingFailure`, a damaged checkpoint's
+included) is translated once into the BallastError family (`ballast.errors.from_training`). Errors of
+that family are logged as one line; those that a retry cannot fix (`ballast.errors.retry_helps`: bad
+spec, bad data or checkpoint, a model below the publish threshold, a training failure classed as
+non-retryable) fail the task without retrying; the others are re-raised for Airflow's retries.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import logging
 from typing import Any
 
 from ballast.context import RunContext
-from ballast.errors import BallastError, DataError, LaunchError, QualityGateError, SpecError
+from ballast.errors import BallastError, SpecError, from_training, retry_helps
 from ballast.plan import STAGES
 from ballast.spec import apply_overrides, parse_spec
+from training.failure import TrainingFailure
 
 log = logging.getLogger("ballast")
 
@@ -37,14 +40,15 @@ def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str,
         if stage == STAGES[0]:
             ctx.storage.write_bytes(f"{ctx.run_key}/spec.json", spec.model_dump_json(indent=2).encode())
         module = importlib.import_module(f"ballast.stages.{stage}")
-        record = module.run(ctx)
+        try:
+            record = module.run(ctx)
+        except TrainingFailure as exc:
+            raise from_training(exc) from exc
         ctx.save_result(stage, record)
         return record.model_dump(mode="json")  # XCom: the record's JSON form
     except BallastError as exc:
         log.error("%s failed: %s", stage, exc)
-        fatal = isinstance(exc, (SpecError, DataError, QualityGateError)) or (
-            isinstance(exc, LaunchError) and not exc.retryable)
-        if fatal:
+        if not retry_helps(exc):
             from airflow.sdk.exceptions import AirflowFailException
 
             raise AirflowFailException(f"{stage}: {exc}") from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ballast.context import RunContext
-from ballast.errors import DataError, QualityGateError
+from ballast.errors import QualityGateError
 from ballast.records import EvaluateResult
 
 
@@ -20,7 +20,6 @@ def run(ctx: RunContext) -> EvaluateResult:
 
     from training import checkpoint as ckpt
     from training.dataset.reader import load_split
-    from training.failure import DataFailure
     from training.models import build_model
 
     spec = ctx.spec
@@ -28,10 +27,7 @@ def run(ctx: RunContext) -> EvaluateResult:
     cache = ctx.result("warm_cache")
     feature = spec.dataset.features[0]
     shape = list(feature.shape) or [1]
-    try:
-        test = load_split(Path(cache.cache_dir), "test", fmt=cache.format, num_classes=spec.dataset.num_classes)
-    except DataFailure as exc:
-        raise DataError(str(exc)) from exc
+    test = load_split(Path(cache.cache_dir), "test", fmt=cache.format, num_classes=spec.dataset.num_classes)
     model = build_model(spec.training.model, input_shape=shape, num_classes=spec.dataset.num_classes,
                         hidden=spec.training.hidden_size)
     model.load_state_dict(ckpt.load_tensors(best / "model.pt"))

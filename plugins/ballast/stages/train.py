@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 from ballast.context import RunContext
-from ballast.errors import LaunchError
+from ballast.errors import LaunchError, training_error
 from ballast.launch_spec import adapt_micro_batch, run_config, torchrun_argv
 from ballast.records import BestValidation, TrainResult
 
 
 def run(ctx: RunContext) -> TrainResult:
-    from training.failure import RETRYABLE, read_record
+    from training.failure import read_record
 
     spec = ctx.spec
     cache = ctx.result("warm_cache")
@@ -75,9 +75,8 @@ def run(ctx: RunContext) -> TrainResult:
             raise LaunchError(f"torchrun exited {rc} without a failure record (killed? see the log above)",
                               failure_class="unknown")
         cls = record["class"]
-        raise LaunchError(f"training failed on rank {record['rank']} at step {record['step']}: {record['exception']}"
-                          f" (class {cls}, exit code {record['exit_code']})",
-                          failure_class=cls, retryable=cls in RETRYABLE)
+        raise training_error(f"training failed on rank {record['rank']} at step {record['step']}:"
+                             f" {record['exception']} (class {cls}, exit code {record['exit_code']})", cls)
     summary = json.loads((out_dir / "summary.json").read_text())
     uploaded = upload_checkpoints(ctx, ckpt_dir)
     best = BestValidation.model_validate(summary["best"]) if summary["best"] else None

@@ -20,12 +20,10 @@ def check(path: Path, ctx: RunContext) -> CheckedCheckpoint:
     from training import checkpoint as ckpt
     from training.models import build_model
 
-    try:
-        manifest = ckpt.verify(path)
-        state = ckpt.read_trainer_state(path)
-        weights = ckpt.load_tensors(path / "model.pt")
-    except ckpt.CheckpointFailure as exc:
-        raise CheckpointError(str(exc)) from exc
+    # A CheckpointFailure from these goes up as it is: the runner translates it (class data, no retry).
+    manifest = ckpt.verify(path)
+    state = ckpt.read_trainer_state(path)
+    weights = ckpt.load_tensors(path / "model.pt")
     spec = ctx.spec
     feature = spec.dataset.features[0]
     model = build_model(spec.training.model, input_shape=list(feature.shape) or [1],
