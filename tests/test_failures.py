@@ -1,4 +1,5 @@
-"""Training failures reaching a stage: translated once by failure class, failing fast or retried by one table."""
+"""From checkpoint to verdict: the stages rebuild the model a checkpoint records; training failures
+that reach a stage are translated once by failure class, and fail fast or are retried by one rule."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 import training.failure as tf
 from ballast import errors
 from ballast.context import RunContext
-from ballast.records import CheckedCheckpoint, VerifyResult
+from ballast.records import CheckedCheckpoint, TrainResult, VerifyResult, WarmCacheResult
 from ballast.runner import run_stage
 from ballast.spec import parse_spec
-from ballast.stages import convert, validate, warm_cache
+from ballast.stages import convert, evaluate, validate, verify_checkpoint, warm_cache
 from conftest import example_data
 
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
@@ -26,36 +27,53 @@ def spec_data(tmp_path: Path, raw: Path) -> dict:
     return d
 
 
-def airflow_context() -> dict:
-    return {"dag": SimpleNamespace(dag_id="ballast_digits"), "run_id": RUN_ID, "params": {},
+def airflow_context(run_id: str = RUN_ID) -> dict:
+    return {"dag": SimpleNamespace(dag_id="ballast_digits"), "run_id": run_id, "params": {},
             "ti": SimpleNamespace(try_number=1)}
 
 
-def write_checkpoint(root: Path, spec, step: int) -> Path:
-    """A committed checkpoint of the spec's model, with the trainer state a real one records."""
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory, digits_raw) -> tuple[dict, WarmCacheResult]:
+    """The digits data validated, converted and cached once for this module: (spec data, cache record)."""
+    d = spec_data(tmp_path_factory.mktemp("cached"), digits_raw)
+    ctx = RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id="prepare")
+    for module in (validate, convert, warm_cache):
+        ctx.save_result(module.__name__.rsplit(".", 1)[-1], module.run(ctx))
+    warm_cache.warm_rest(ctx)
+    return d, ctx.result("warm_cache")
+
+
+def run_ctx(cached, run_id: str) -> RunContext:
+    """A run of the cached data whose warm_cache record is saved (what evaluate reads)."""
+    d, cache = cached
+    ctx = RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id=run_id)
+    ctx.save_result("warm_cache", cache)
+    return ctx
+
+
+def write_checkpoint(root: Path, spec, step: int, *, hidden: int | None = None) -> Path:
+    """A committed checkpoint of the spec's model (another width with `hidden`), with the trainer state
+    a real one records."""
     from training import checkpoint as ckpt
     from training.models import build_model
 
     t, feature = spec.training, spec.dataset.features[0]
+    width = hidden or t.hidden_size
     model = build_model(t.model, input_shape=list(feature.shape), num_classes=spec.dataset.num_classes,
-                        hidden=t.hidden_size)
+                        hidden=width)
     w = ckpt.Writer(root, step, rank=0, barrier=lambda: None)
     w.begin()
     w.write_tensors("model.pt", model.state_dict())
     w.write_json("trainer.json", {"step": step, "epoch": 1, "history": [{"epoch": 0, "accuracy": 0.5}],
                                   "model": t.model, "input_shape": list(feature.shape),
-                                  "num_classes": spec.dataset.num_classes, "hidden_size": t.hidden_size})
+                                  "num_classes": spec.dataset.num_classes, "hidden_size": width})
     return w.commit()
 
 
-def test_a_damaged_best_checkpoint_at_evaluate_fails_the_task_without_retry(tmp_path, digits_raw):
+def test_a_damaged_best_checkpoint_at_evaluate_fails_the_task_without_retry(tmp_path, cached):
     from airflow.sdk.exceptions import AirflowFailException
 
-    d = spec_data(tmp_path, digits_raw)
-    ctx = RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id=RUN_ID)
-    for module in (validate, convert, warm_cache):
-        ctx.save_result(module.__name__.rsplit(".", 1)[-1], module.run(ctx))
-    warm_cache.warm_rest(ctx)
+    ctx = run_ctx(cached, RUN_ID)
     best = write_checkpoint(tmp_path / "ckpt", ctx.spec, 10)
     checked = CheckedCheckpoint(path=str(best), step=10, files=3, parameters=1)
     ctx.save_result("verify_checkpoint", VerifyResult(last=checked, best=checked))
@@ -63,8 +81,54 @@ def test_a_damaged_best_checkpoint_at_evaluate_fails_the_task_without_retry(tmp_
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])  # damaged after verification
 
     with pytest.raises(AirflowFailException, match=rf"^evaluate: {model_file}: ") as failed:
-        run_stage("evaluate", spec_data=d, spec_file="digits.yaml", context=airflow_context())
+        run_stage("evaluate", spec_data=cached[0], spec_file="digits.yaml", context=airflow_context())
     assert "\n" not in str(failed.value)
+
+
+def test_verify_and_evaluate_rebuild_the_model_the_checkpoint_records(tmp_path, cached):
+    ctx = run_ctx(cached, "recorded")
+    assert ctx.spec.training.hidden_size != 24
+    best = write_checkpoint(tmp_path / "ckpt", ctx.spec, 10, hidden=24)  # the spec was edited since
+    ctx.save_result("train", TrainResult(summary="s", checkpoint_dir=str(best.parent), best_checkpoint=str(best),
+                                         last_checkpoint=str(best), epochs=1, steps=10, stopped_early=False,
+                                         best=None, micro_batch_size=8, uploaded_checkpoints=[]))
+    checked = verify_checkpoint.run(ctx)
+    assert checked.best == checked.last and checked.best.step == 10
+    assert checked.best.parameters == 64 * 24 + 24 + 24 * 24 + 24 + 24 * 10 + 10  # the mlp of width 24
+    ctx.save_result("verify_checkpoint", checked)
+    with pytest.raises(errors.QualityGateError, match=r"evaluation\.threshold: test accuracy 0\.\d+ does not reach 0\.9"):
+        evaluate.run(ctx)  # an untrained model
+    result = ctx.result("evaluate")  # saved before the gate stopped the run
+    assert result.passed is False and result.threshold == 0.9
+    assert result.test_rows == 273 and result.value == result.accuracy and 0.0 <= result.accuracy <= 1.0
+    assert result.checkpoint == str(best) and result.validation_history == [{"epoch": 0, "accuracy": 0.5}]
+    assert set(result.per_class_accuracy) <= set(range(10))
+
+
+def test_a_checkpoint_without_its_model_section_fails_verification_without_retry(tmp_path, cached):
+    import json
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    ctx = run_ctx(cached, "unrecorded")
+    best = write_checkpoint(tmp_path / "ckpt", ctx.spec, 10)
+    ctx.save_result("train", TrainResult(summary="s", checkpoint_dir=str(best.parent), best_checkpoint=None,
+                                         last_checkpoint=str(best), epochs=1, steps=10, stopped_early=False,
+                                         best=None, micro_batch_size=8, uploaded_checkpoints=[]))
+    # Written by an older trainer: no model section. Re-committed so that only the content is at issue.
+    state = json.loads((best / "trainer.json").read_text())
+    for key in ("model", "input_shape", "num_classes", "hidden_size"):
+        del state[key]
+    from training import checkpoint as ckpt
+
+    w = ckpt.Writer(best.parent, 10, rank=0, barrier=lambda: None)
+    w.begin()
+    (w.tmp / "model.pt").write_bytes((best / "model.pt").read_bytes())
+    w.write_json("trainer.json", state)
+    w.commit()
+    with pytest.raises(AirflowFailException, match=rf"^verify_checkpoint: {best / 'trainer.json'}: records no model"):
+        run_stage("verify_checkpoint", spec_data=cached[0], spec_file="digits.yaml",
+                  context=airflow_context("unrecorded"))
 
 
 @pytest.mark.parametrize("failure,error,retried", [

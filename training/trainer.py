@@ -316,8 +316,10 @@ class Trainer:
         return True
 
     def evaluate(self, data: Split) -> dict[str, float]:
+        """Scores on `data`, each rank scoring its share and the parts summed (training.metrics)."""
         import torch
-        import torch.nn.functional as F
+
+        from training.metrics import ScoreSums, classification_sums
 
         model = self.raw_model  # under FSDP the sharded module itself; its forward gathers the weights
         model.eval()
@@ -325,19 +327,16 @@ class Trainer:
         x = torch.from_numpy(data.features[idx]).to(self.dist.device)
         y = torch.from_numpy(data.labels[idx]).to(self.dist.device)
         with torch.no_grad():
-            logits = model(x).float()
-            loss_sum = float(F.cross_entropy(logits, y, reduction="sum")) if len(y) else 0.0
-            correct = float((logits.argmax(1) == y).sum())
-        n, loss_sum, correct = self.dist.all_sum([float(len(y)), loss_sum, correct])
-        return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(n, 1), "samples": n}
+            mine = classification_sums(model(x), y)
+        return ScoreSums.from_list(self.dist.all_sum(mine.as_list())).scores()
 
     def improved(self, value: float) -> bool:
+        """Whether `value` is a new best validation score (the one rule: training.metrics.improved)."""
+        from training.metrics import improved
+
         best = self.state.best
-        if best is None:
-            return True
-        if self.cfg.early_stop.mode == "max":
-            return value > best["value"] + self.cfg.early_stop.min_delta
-        return value < best["value"] - self.cfg.early_stop.min_delta
+        return improved(value, None if best is None else best["value"], mode=self.cfg.early_stop.mode,
+                        min_delta=self.cfg.early_stop.min_delta)
 
     def run(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
