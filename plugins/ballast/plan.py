@@ -14,9 +14,9 @@ from typing import Any
 from ballast.spec import Spec, get_path, overridable_field
 
 # The stages every pipeline runs, in order, with what each waits for. Each is the module
-# ballast.stages.<name>. Training starts once the first cache stage is in; the train task warms the
-# later stages in the background on the same node while torchrun runs (the trainer waits for any
-# shard not there yet).
+# ballast.stages.<name>. Training starts once the cache's first warm-up phase is in; the train task
+# warms the later phases in the background on the same node while torchrun runs (the trainer waits
+# for any shard not there yet).
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "validate": (),
     "convert": ("validate",),
