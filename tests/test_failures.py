@@ -96,7 +96,8 @@ def test_verify_and_evaluate_rebuild_the_model_the_checkpoint_records(tmp_path, 
     assert checked.best == checked.last and checked.best.step == 10
     assert checked.best.parameters == 64 * 24 + 24 + 24 * 24 + 24 + 24 * 10 + 10  # the mlp of width 24
     ctx.save_result("verify_checkpoint", checked)
-    with pytest.raises(errors.QualityGateError, match=r"evaluation\.threshold: test accuracy 0\.\d+ does not reach 0\.9"):
+    gate = r"evaluation\.threshold: test accuracy 0\.\d+ does not reach 0\.9"
+    with pytest.raises(errors.QualityGateError, match=gate):
         evaluate.run(ctx)  # an untrained model
     result = ctx.result("evaluate")  # saved before the gate stopped the run
     assert result.passed is False and result.threshold == 0.9
