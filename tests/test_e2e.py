@@ -24,10 +24,14 @@ def report_for(run_id: str) -> dict:
     return json.loads(ctx.storage.read_bytes(f"{ctx.run_key}/report.json"))
 
 
-def effective_spec(run_id: str) -> dict:
+def effective_record(run_id: str) -> dict:
     spec = load_spec(EXAMPLE_SPEC)
     ctx = RunContext(spec=spec, dag_id=spec.dag_id, run_id=run_id)
     return json.loads(ctx.storage.read_bytes(f"{ctx.run_key}/spec.json"))
+
+
+def effective_spec(run_id: str) -> dict:
+    return effective_record(run_id)["spec"]
 
 
 def test_example_dag_runs_end_to_end_with_dag_test(airflow_db, digits_raw):
@@ -41,6 +45,9 @@ def test_example_dag_runs_end_to_end_with_dag_test(airflow_db, digits_raw):
     assert report["test"]["test_rows"] == 273
     assert report["training"]["epochs"] <= 15
     assert effective_spec(dr.run_id)["training"]["epochs"] == 15
+    record = effective_record(dr.run_id)
+    assert record["parameters_given"] == {"epochs": 15}
+    assert record["parameters_applied"] == {"epochs": {"path": "training.epochs", "spec_value": 30, "value": 15}}
     stages = report["stages"]
     assert stages["validate"]["failures"] == [] and stages["validate"]["rows"] == 1797
     assert stages["verify_checkpoint"]["best"]["parameters"] > 0
@@ -63,6 +70,16 @@ def test_trigger_through_rest_api_with_changed_parameter(airflow_db, digits_raw,
             stack.trigger("ballast_digits", {"epochs": 0})
         assert refused.value.code == 400
         assert "epochs" in refused.value.read().decode()
+        # An unknown name (a typo for learning_rate): Airflow's Params accept extra conf keys, so the run's
+        # first task refuses it within seconds, without a retry, naming the closest parameter.
+        typo = stack.trigger("ballast_digits", {"lr": 0.1})
+        failed = stack.wait_for_run("ballast_digits", typo["dag_run_id"], timeout=300)
+        assert failed["state"] == "failed"
+        tis = stack.task_instances("ballast_digits", typo["dag_run_id"])
+        assert (tis["validate"]["state"], tis["validate"]["try_number"]) == ("failed", 1)
+        assert tis["convert"]["state"] != "success"
+        log = stack.task_log("ballast_digits", typo["dag_run_id"], "validate", 1)
+        assert "unknown parameter(s) lr" in log and "closest: lr -> learning_rate?" in log, log[-3000:]
         run = stack.trigger("ballast_digits", {"epochs": 3, "learning_rate": 0.005})
         done = stack.wait_for_run("ballast_digits", run["dag_run_id"], timeout=600)
         logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "logs").glob("*.log"))

@@ -58,8 +58,21 @@ def load_dag(dag_id: str):
 
 
 def run_dag(dag_id: str, conf: dict[str, Any] | None = None):
+    """dag.test() with run parameters. A conf that breaks a parameter's bounds is refused by Airflow's
+    Params before any task runs; its multi-line jsonschema message becomes the spec's one line."""
+    from airflow.sdk.exceptions import ParamValidationError
+
     dag = load_dag(dag_id)
-    return dag.test(run_conf=conf or {})
+    try:
+        return dag.test(run_conf=conf or {})
+    except ParamValidationError as exc:
+        from ballast.errors import SpecError
+        from ballast.runner import effective_spec
+
+        spec_file = next((t.spec_file for t in dag.tasks if hasattr(t, "spec_file")), dag_id)
+        spec_data = next(t.spec_data for t in dag.tasks if hasattr(t, "spec_data"))
+        effective_spec(spec_data, spec_file, conf or {})  # raises the one-line SpecError
+        raise SpecError(f"{spec_file}: run parameters refused: {str(exc).splitlines()[0]}") from None
 
 
 def _coerce(value: str) -> Any:
@@ -71,11 +84,15 @@ def _coerce(value: str) -> Any:
 
 def run_demo(spec_name: str = "digits", conf: dict[str, str] | None = None) -> int:
     root = configure_env()
-    from ballast.spec import load_spec
+    from ballast.spec import apply_overrides, load_spec
     from ballast.storage import open_storage, resolve_local
 
     spec_path = Path(os.environ["AIRFLOW__CORE__DAGS_FOLDER"]) / "specs" / f"{spec_name}.yaml"
     spec = load_spec(spec_path)
+    params = {k: _coerce(v) for k, v in (conf or {}).items()}
+    # Refused here, before Airflow creates a run: an unknown name (a typo would train with the default)
+    # or a value outside a field's bounds, each as one line (SpecError; the CLI prints it, exit 2).
+    apply_overrides(spec, params, source=f"{spec_path} (--conf)")
     raw = resolve_local(spec.dataset.location)
     if spec_name == "digits" and not raw.exists():
         from ballast.demo import write_digits
@@ -83,7 +100,7 @@ def run_demo(spec_name: str = "digits", conf: dict[str, str] | None = None) -> i
         print(f"writing the digits demo data to {write_digits(raw)}")
     t0 = time.monotonic()
     migrate_db()
-    dr = run_dag(spec.dag_id, {k: _coerce(v) for k, v in (conf or {}).items()})
+    dr = run_dag(spec.dag_id, params)
     from ballast.context import RunContext
 
     ctx = RunContext(spec=spec, dag_id=spec.dag_id, run_id=dr.run_id)

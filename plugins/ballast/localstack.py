@@ -132,6 +132,24 @@ class LocalStack:
             time.sleep(3)
         raise TimeoutError(f"run {run_id} of {dag_id} did not finish within {timeout:.0f}s")
 
+    def task_instances(self, dag_id: str, run_id: str) -> dict[str, dict]:
+        """task_id -> the task instance as the REST API returns it (state, try_number, ...)."""
+        from urllib.parse import quote
+
+        out = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances")
+        return {ti["task_id"]: ti for ti in out["task_instances"]}
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
+        """A task try's log as text (the API's structured entries, one a line)."""
+        from urllib.parse import quote
+
+        out = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}"
+                                  f"/logs/{try_number}?full_content=true")
+        content = out.get("content", "")
+        if isinstance(content, str):
+            return content
+        return "\n".join(e.get("event", "") if isinstance(e, dict) else str(e) for e in content)
+
 
 def serve(port: int) -> int:
     stack = LocalStack(port)

@@ -15,6 +15,8 @@ Importable without torch, pyarrow or Airflow: pydantic only (the DAG-parse budge
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -304,6 +306,33 @@ class RunReport(Record):
     """How training ended."""
     stages: StageRecords
     """Every earlier stage's record."""
+
+
+class AppliedParameter(Record):
+    """A run parameter that changed the spec."""
+
+    path: str
+    """The spec field it overrides (e.g. training.epochs)."""
+    spec_value: Any
+    """The value the spec file gives."""
+    value: Any
+    """The value this run used."""
+
+
+class EffectiveSpec(Record):
+    """The spec a run used (`runs/<dag>/<run>/spec.json`), written by its first stage: the spec file with
+    the run parameters applied, and which parameters were given and which changed something."""
+
+    version: int = 1
+    """Record format version."""
+    spec_file: str
+    """The spec file the DAG was built from."""
+    parameters_given: dict[str, Any]
+    """The run parameters as the trigger gave them (the run's conf; the trigger form sends every one)."""
+    parameters_applied: dict[str, AppliedParameter]
+    """Parameter name -> the field it changed; a given parameter equal to the spec's value is not here."""
+    spec: dict[str, Any]
+    """The effective spec, as JSON."""
 
 
 RECORDS: dict[str, type[Record]] = {

@@ -16,29 +16,48 @@ from typing import Any
 from ballast.context import RunContext
 from ballast.errors import BallastError, SpecError, from_training, retry_helps
 from ballast.plan import STAGES
-from ballast.spec import apply_overrides, parse_spec
+from ballast.records import AppliedParameter, EffectiveSpec
+from ballast.spec import apply_overrides, check_parameter_names, get_path, parameter_paths, parse_spec
 from training.failure import TrainingFailure
 
 log = logging.getLogger("ballast")
 
 
-def effective_spec(spec_data: dict, spec_file: str, params: Any):
+def effective_spec(spec_data: dict, spec_file: str, params: Any, *, given: Any = ()) -> Any:
+    """The spec with the run's parameters applied. `params` are Airflow's (the DAG's parameters, the
+    run's conf merged in); `given` the names the trigger sent (the run's conf). A name that is not one
+    of the spec's parameters is refused in one line naming the closest: a typo must not train with the
+    default."""
     spec = parse_spec(spec_data, source=spec_file)
-    keys = {p.rsplit(".", 1)[-1] for p in spec.overridable}
-    overrides = {k: params[k] for k in keys if params is not None and k in params}
+    check_parameter_names(spec, {*(params or {}), *given}, source=f"{spec_file} (run parameters)")
+    overrides = {k: params[k] for k in parameter_paths(spec) if params is not None and k in params}
     return apply_overrides(spec, overrides, source=f"{spec_file} (with run parameters)") if overrides else spec
+
+
+def effective_spec_record(base_data: dict, spec: Any, *, spec_file: str, given: dict[str, Any]) -> EffectiveSpec:
+    """What spec.json holds: the effective spec and which of the given parameters changed it."""
+    base = parse_spec(base_data, source=spec_file)
+    applied = {}
+    for name, path in parameter_paths(spec).items():
+        before, after = get_path(base, path), get_path(spec, path)
+        if before != after:
+            applied[name] = AppliedParameter(path=path, spec_value=before, value=after)
+    return EffectiveSpec(spec_file=spec_file, parameters_given=given, parameters_applied=applied,
+                         spec=spec.model_dump(mode="json"))
 
 
 def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str, Any]) -> dict[str, Any]:
     if stage not in STAGES:
         raise SpecError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     try:
-        spec = effective_spec(spec_data, spec_file, context.get("params"))
+        given = dict(getattr(context.get("dag_run"), "conf", None) or {})
+        spec = effective_spec(spec_data, spec_file, context.get("params"), given=given)
         ti = context.get("ti")
         ctx = RunContext(spec=spec, dag_id=context["dag"].dag_id, run_id=context["run_id"],
                          try_number=getattr(ti, "try_number", 1) or 1, log=logging.getLogger(f"ballast.{stage}"))
         if stage == STAGES[0]:
-            ctx.storage.write_bytes(f"{ctx.run_key}/spec.json", spec.model_dump_json(indent=2).encode())
+            effective = effective_spec_record(spec_data, spec, spec_file=spec_file, given=given)
+            ctx.storage.write_bytes(f"{ctx.run_key}/spec.json", effective.model_dump_json(indent=2).encode())
         module = importlib.import_module(f"ballast.stages.{stage}")
         try:
             record = module.run(ctx)

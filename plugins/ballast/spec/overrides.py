@@ -58,7 +58,7 @@ def check_parameter_names(spec: Any, names: Any, *, source: str = "run parameter
         return
     hints = []
     for name in unknown:
-        close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.5)
+        close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
         if not close:  # abbreviations such as lr for learning_rate: the initials of the words
             close = [a for a in allowed if "".join(w[0] for w in a.split("_")) == name][:1]
         if close:

@@ -1,0 +1,67 @@
+"""Run parameters: a typo or a bad value gets one clear line, never a silent default or a traceback.
+
+Three paths: `ballast demo --conf` (refused before any run exists), `dag.test()` with a conf (through
+ballast.localrun.run_dag), and the REST trigger (tests/test_e2e.py, with the real API server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from ballast.errors import SpecError
+from ballast.spec import apply_overrides, load_spec
+from conftest import EXAMPLE_SPEC
+
+ALLOWED = "allowed: epochs, learning_rate, micro_batch_size, patience"
+
+
+def _demo(*conf: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ballast.cli", "demo", "--conf", *conf], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.unit
+def test_unknown_parameter_names_the_closest_and_the_allowed_list():
+    spec = load_spec(EXAMPLE_SPEC)
+    with pytest.raises(SpecError, match=rf"unknown parameter\(s\) lr; {ALLOWED}; closest: lr -> learning_rate\?$"):
+        apply_overrides(spec, {"lr": 0.1})
+    with pytest.raises(SpecError, match=r"unknown parameter\(s\) epoch; .*; closest: epoch -> epochs\?$"):
+        apply_overrides(spec, {"epoch": 3})
+    with pytest.raises(SpecError, match=rf"unknown parameter\(s\) nosuch; {ALLOWED}$"):
+        apply_overrides(spec, {"nosuch": 1})
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("conf,pattern", [
+    ("nosuch=1", rf"digits\.yaml \(--conf\): unknown parameter\(s\) nosuch; {ALLOWED}"),
+    ("lr=0.1", r"unknown parameter\(s\) lr; .*; closest: lr -> learning_rate\?"),
+    ("epochs=0", r"digits\.yaml \(--conf\): training\.epochs: must be >= 1 \(got 0\)"),
+    ("epochs=ten", r"training\.epochs: must be an integer \(got 'ten'\)"),
+], ids=["unknown", "typo", "below-minimum", "wrong-type"])
+def test_demo_refuses_bad_parameters_in_one_line_before_any_run(conf, pattern):
+    proc = _demo(conf)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert lines[0].startswith("ballast demo: ")
+    import re
+
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+@pytest.mark.e2e
+def test_dag_test_refuses_an_unknown_key_at_the_first_task_and_a_bad_value_before_the_run(airflow_db, digits_raw,
+                                                                                            capfd):
+    from ballast.localrun import run_dag
+
+    with pytest.raises(SpecError, match=r"digits\.yaml \(with run parameters\): training\.epochs: must be >= 1"
+                                        r" \(got 0\)$"):
+        run_dag("ballast_digits", {"epochs": 0})
+    dr = run_dag("ballast_digits", {"lr": 0.1})
+    assert str(dr.state) == "failed"
+    states = {ti.task_id: (str(ti.state), ti.try_number) for ti in dr.get_task_instances()}
+    assert states["validate"] == ("failed", 1)  # at once, no retry, before any data is read
+    assert all(state != "success" for task, (state, _) in states.items() if task != "validate")
+    out = "".join(capfd.readouterr())  # dag.test runs the tasks in this process; their log comes out here
+    assert "unknown parameter(s) lr" in out and "closest: lr -> learning_rate?" in out, out[-3000:]
