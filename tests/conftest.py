@@ -1,19 +1,19 @@
 """Test environment: private Airflow and Ballast homes for the whole session, set before Airflow is
-imported anywhere, so tests never touch the demo's .airflow/ and .ballast/."""
+imported anywhere, so tests never touch the demo's .airflow/ and .ballast/; the shared fixtures; and
+the test tiers (unit, integration, e2e), of which every test has exactly one."""
 
 from __future__ import annotations
 
-import copy
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
 SESSION_HOME = Path(tempfile.mkdtemp(prefix="ballast-tests-"))
+ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.update({
     "AIRFLOW_HOME": str(SESSION_HOME / "airflow"),
@@ -27,20 +27,39 @@ os.environ.update({
     "TQDM_DISABLE": "1",
 })
 
-EXAMPLE_SPEC = ROOT / "dags" / "specs" / "digits.yaml"
+from helpers import make_ctx, run_chain, warm_cache_rest  # noqa: E402  (after the homes are set)
+
+TIERS = ("unit", "integration", "e2e")
 
 
-def example_data() -> dict:
-    return yaml.safe_load(EXAMPLE_SPEC.read_text())
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a test without a tier must not silently vanish
+def pytest_collection_modifyitems(config, items):
+    """Every test has exactly one tier, or the session stops before running anything, naming them."""
+    wrong = []
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {'tiers ' + ', '.join(tiers) if tiers else 'no tier'}")
+    if wrong:
+        raise pytest.UsageError("each test needs exactly one of the markers unit, integration, e2e (pytestmark for a"
+                                " whole module, @pytest.mark.<tier> per test otherwise): " + "; ".join(wrong))
 
 
-def write_spec(path: Path, edit=None, *, data: dict | None = None) -> Path:
-    """Write the example spec to `path`, after `edit(d)` changes the dict in place."""
-    d = copy.deepcopy(data or example_data())
-    if edit is not None:
-        edit(d)
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    return path
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_in_process(request, monkeypatch):
+    """A unit test that starts a process or asks for the Airflow database fails, naming itself: such a
+    test belongs to the integration tier, and the unit tier stays fast."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    if "airflow_db" in request.fixturenames:
+        pytest.fail(f"{request.node.nodeid}: a unit test uses the Airflow database; mark it integration or e2e")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid}: a unit test started a process; mark it integration")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)  # what every subprocess call goes through
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse, raising=False)
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +81,17 @@ def digits_raw() -> Path:
     if not dest.exists():
         write_digits(dest)
     return dest
+
+
+@pytest.fixture(scope="session")
+def digits_cache(tmp_path_factory, digits_raw):
+    """The digits data validated, converted and warmed (every phase) once for the session: the
+    WarmCacheResult whose cache_dir training runs read. Read-only: a test that damages or rewrites a
+    cache builds its own (make_ctx + run_chain)."""
+    from ballast.stages import convert, validate, warm_cache
+
+    ctx = make_ctx(tmp_path_factory.mktemp("digits-cache"), digits_raw)
+    return run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
 
 
 @pytest.fixture

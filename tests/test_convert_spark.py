@@ -7,8 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 from ballast.stages import convert, validate
-from test_stages import make_ctx, run_chain
+from helpers import make_ctx, run_chain
+
+pytestmark = pytest.mark.integration
 
 
 def test_spark_and_arrow_engines_write_the_same_rows(tmp_path, digits_raw):

@@ -11,9 +11,10 @@ import sys
 import pytest
 from ballast.plan import STAGES, UPSTREAM, build_plan
 from ballast.spec import load_spec
-from conftest import EXAMPLE_SPEC, ROOT, write_spec
+from helpers import EXAMPLE_SPEC, ROOT, write_spec
 
 
+@pytest.mark.unit
 def test_plan_orders_stages_and_sets_retries():
     plan = build_plan(load_spec(EXAMPLE_SPEC), spec_file=str(EXAMPLE_SPEC))
     assert [s.name for s in plan.stages] == list(STAGES)
@@ -25,6 +26,7 @@ def test_plan_orders_stages_and_sets_retries():
     assert plan.tags == ("ballast", "example", "vision")
 
 
+@pytest.mark.unit
 def test_plan_params_carry_type_bounds_and_description():
     plan = build_plan(load_spec(EXAMPLE_SPEC), spec_file="x")
     params = {p.key: p for p in plan.params}
@@ -36,6 +38,7 @@ def test_plan_params_carry_type_bounds_and_description():
     assert "early stopping" in params["epochs"].description
 
 
+@pytest.mark.integration
 def test_dagbag_has_no_import_errors_and_stages_in_order():
     from airflow.dag_processing.dagbag import DagBag
 
@@ -55,6 +58,7 @@ def test_dagbag_has_no_import_errors_and_stages_in_order():
     assert dag.max_active_runs == 1
 
 
+@pytest.mark.integration
 def test_param_bounds_refuse_bad_values_before_a_run():
     from airflow.dag_processing.dagbag import DagBag
     from airflow.sdk.exceptions import ParamValidationError
@@ -69,6 +73,7 @@ def test_param_bounds_refuse_bad_values_before_a_run():
     assert good.validate()["epochs"] == 5
 
 
+@pytest.mark.integration
 def test_asset_schedule(tmp_path):
     from airflow.dag_processing.dagbag import DagBag
 
@@ -81,6 +86,7 @@ def test_asset_schedule(tmp_path):
     assert [a.uri for a in dag.timetable.asset_condition.objects] == ["s3://raw-bucket/digits"]
 
 
+@pytest.mark.integration
 def test_broken_spec_beside_good_ones_gives_one_import_error_naming_the_field(tmp_path):
     from airflow.dag_processing.dagbag import DagBag
 
@@ -99,6 +105,7 @@ def test_broken_spec_beside_good_ones_gives_one_import_error_naming_the_field(tm
     assert "broken.yaml" in message and "training.micro_batch_size: must be >= 1 (got 0)" in message
 
 
+@pytest.mark.integration
 def test_duplicate_names_are_an_import_error(tmp_path):
     from airflow.dag_processing.dagbag import DagBag
 
@@ -112,6 +119,7 @@ def test_duplicate_names_are_an_import_error(tmp_path):
     assert "b.yaml: name: 'digits' is already used by another spec" in next(iter(bag.import_errors.values()))
 
 
+@pytest.mark.integration
 def test_parsing_imports_no_heavy_module():
     probe = (
         "import sys, json\n"
@@ -125,6 +133,7 @@ def test_parsing_imports_no_heavy_module():
     assert result == {"dags": ["ballast_digits"], "heavy": []}
 
 
+@pytest.mark.integration
 def test_training_package_never_imports_airflow():
     probe = ("import sys, training.trainer, training.checkpoint, training.dataset.loader, training.__main__\n"
              "print([m for m in sys.modules if m.split('.')[0] in ('airflow', 'ballast')])")
@@ -132,6 +141,7 @@ def test_training_package_never_imports_airflow():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.integration
 def test_airflow_does_not_exec_package_files_as_plugins():
     # Airflow execs every .py under plugins/ as a top-level module named after the file; without
     # plugins/.airflowignore, plugins/ballast/bench/train_runtime.py and friends would land in

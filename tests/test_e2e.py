@@ -10,9 +10,9 @@ import urllib.error
 import pytest
 from ballast.context import RunContext
 from ballast.spec import load_spec
-from conftest import EXAMPLE_SPEC
+from helpers import EXAMPLE_SPEC
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 # The example model must beat this on the held-out test split (273 digits never seen in training).
 MIN_TEST_ACCURACY = 0.90

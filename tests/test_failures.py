@@ -14,7 +14,7 @@ from ballast.records import CheckedCheckpoint, TrainResult, VerifyResult, WarmCa
 from ballast.runner import run_stage
 from ballast.spec import parse_spec
 from ballast.stages import convert, evaluate, validate, verify_checkpoint, warm_cache
-from conftest import example_data
+from helpers import example_data
 
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
 
@@ -70,6 +70,7 @@ def write_checkpoint(root: Path, spec, step: int, *, hidden: int | None = None) 
     return w.commit()
 
 
+@pytest.mark.integration
 def test_a_damaged_best_checkpoint_at_evaluate_fails_the_task_without_retry(tmp_path, cached):
     from airflow.sdk.exceptions import AirflowFailException
 
@@ -85,6 +86,7 @@ def test_a_damaged_best_checkpoint_at_evaluate_fails_the_task_without_retry(tmp_
     assert "\n" not in str(failed.value)
 
 
+@pytest.mark.integration
 def test_verify_and_evaluate_rebuild_the_model_the_checkpoint_records(tmp_path, cached):
     ctx = run_ctx(cached, "recorded")
     assert ctx.spec.training.hidden_size != 24
@@ -106,6 +108,7 @@ def test_verify_and_evaluate_rebuild_the_model_the_checkpoint_records(tmp_path, 
     assert set(result.per_class_accuracy) <= set(range(10))
 
 
+@pytest.mark.integration
 def test_a_checkpoint_without_its_model_section_fails_verification_without_retry(tmp_path, cached):
     import json
 
@@ -132,6 +135,7 @@ def test_a_checkpoint_without_its_model_section_fails_verification_without_retry
                   context=airflow_context("unrecorded"))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("failure,error,retried", [
     ("ConfigFailure", "ConfigError", False),
     ("DataFailure", "DataError", False),
@@ -148,12 +152,14 @@ def test_training_failures_are_translated_once_by_class(failure, error, retried)
         assert out.failure_class == exc.failure_class
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cls,retried", [("user_code", False), ("oom", True), ("communication", True),
                                          ("hang", True), ("unknown", True)])
 def test_launch_failures_are_retried_by_class(cls, retried):
     assert errors.retry_helps(errors.training_error("training failed", cls)) is retried
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("failure_class,fails_fast", [("data", True), ("communication", False)])
 def test_the_runner_fails_fast_or_hands_back_for_a_retry(tmp_path, monkeypatch, failure_class, fails_fast):
     from airflow.sdk.exceptions import AirflowFailException

@@ -7,73 +7,32 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from ballast.launch_spec import run_config
 from ballast.spec import parse_spec
-from ballast.stages import convert, validate, warm_cache
-from conftest import example_data
-from test_stages import make_ctx, run_chain, warm_cache_rest
+from helpers import config, example_data, free_port, record, run_single, torchrun
 from training import checkpoint as ckpt
 from training.failure import EXIT_CODES
 from training.monitor import SpikeDetector, grad_stats
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory, digits_raw) -> dict:
-    ctx = make_ctx(tmp_path_factory.mktemp("faults"), digits_raw)
-    return run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
-
-
-def config(tmp: Path, cache: dict, *, epochs: int = 2, edit=None, changes: dict | None = None) -> Path:
-    """A run config from the example spec (after `edit(d)`), with `{"section.field": value}` changes
-    written as given, unvalidated: a bad value reaches the trainer's own check."""
-    d = example_data()
-    d["training"].update(epochs=epochs, processes_per_node=1, global_batch_size=32)
-    d["evaluation"]["patience"] = 50
-    if edit:
-        edit(d)
-    cfg = run_config(parse_spec(d), data_dir=cache.cache_dir, data_format=cache.format,
-                     checkpoint_dir=str(tmp / "ckpt"), output_dir=str(tmp / "out"))
-    data = cfg.model_dump(mode="json")
-    for dotted, value in (changes or {}).items():
-        *head, last = dotted.split(".")
-        node = data
-        for part in head:
-            node = node[part]
-        assert last in node, f"{dotted}: not a run config field"
-        node[last] = value
-    path = tmp / "run.json"
-    path.write_text(json.dumps(data))
-    return path
-
-
-def run_single(cfg: Path, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "training", "--config", str(cfg)], capture_output=True, text=True,
-                          timeout=180, **kw)
-
-
-def record(tmp: Path) -> dict:
-    return json.loads((tmp / "out" / "failure.json").read_text())
-
-
+@pytest.mark.integration
 @pytest.mark.parametrize("kind,cls", [("oom", "oom"), ("error", "user_code"), ("comm", "communication")])
-def test_injected_fault_gives_class_exit_code_and_record(tmp_path, cache, kind, cls):
-    proc = run_single(config(tmp_path, cache, changes={"rehearsal.faults": [{"kind": kind, "step": 7}]}))
+def test_injected_fault_gives_class_exit_code_and_record(tmp_path, digits_cache, kind, cls):
+    proc = run_single(config(tmp_path, digits_cache, changes={"rehearsal.faults": [{"kind": kind, "step": 7}]}))
     assert proc.returncode == EXIT_CODES[cls], proc.stderr[-2000:]
     rec = record(tmp_path)
     assert rec["class"] == cls and rec["step"] == 6 and rec["rank"] == 0 and rec["exit_code"] == EXIT_CODES[cls]
     assert rec["retryable"] is (cls in ("oom", "communication"))
 
 
-def test_nan_checkpoints_last_good_state_and_next_try_skips_the_batch(tmp_path, cache):
-    cfg = config(tmp_path, cache, changes={"rehearsal.faults": [{"kind": "nan", "step": 9}]})
+@pytest.mark.integration
+def test_nan_checkpoints_last_good_state_and_next_try_skips_the_batch(tmp_path, digits_cache):
+    cfg = config(tmp_path, digits_cache, changes={"rehearsal.faults": [{"kind": "nan", "step": 9}]})
     first = run_single(cfg)
     assert first.returncode == EXIT_CODES["divergence"], first.stderr[-2000:]
     assert record(tmp_path)["class"] == "divergence"
@@ -88,17 +47,19 @@ def test_nan_checkpoints_last_good_state_and_next_try_skips_the_batch(tmp_path, 
     assert any(e["event"] == "anomaly" and e["kind"] == "nonfinite" for e in events)
 
 
-def test_hang_is_ended_by_the_watchdog_with_stacks(tmp_path, cache):
-    proc = run_single(config(tmp_path, cache, changes={"rehearsal.faults": [{"kind": "hang", "step": 5}],
-                                                        "execution.hang_timeout_seconds": 3}))
+@pytest.mark.integration
+def test_hang_is_ended_by_the_watchdog_with_stacks(tmp_path, digits_cache):
+    proc = run_single(config(tmp_path, digits_cache, changes={"rehearsal.faults": [{"kind": "hang", "step": 5}],
+                                                               "execution.hang_timeout_seconds": 3}))
     assert proc.returncode == EXIT_CODES["hang"], proc.stderr[-2000:]
     assert record(tmp_path)["class"] == "hang"
     stacks = (tmp_path / "out" / "stacks-rank0.txt").read_text()
     assert "no progress" in stacks and "faults.py" in stacks  # the stack shows where it hung
 
 
-def test_sigterm_commits_a_checkpoint_and_exits_preempted(tmp_path, cache):
-    cfg = config(tmp_path, cache, epochs=200)
+@pytest.mark.integration
+def test_sigterm_commits_a_checkpoint_and_exits_preempted(tmp_path, digits_cache):
+    cfg = config(tmp_path, digits_cache, epochs=200)
     proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     beat = tmp_path / "out" / "heartbeat"
@@ -115,6 +76,7 @@ def test_sigterm_commits_a_checkpoint_and_exits_preempted(tmp_path, cache):
     assert rec["class"] == "preempted" and state["reason"] == "preempted" and state["step"] >= 30
 
 
+@pytest.mark.integration
 def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path):
     script = f"""
 import os, signal, torch
@@ -135,17 +97,8 @@ for step in (10, 20):
     assert ckpt.latest_valid(tmp_path).name == "step-00000010"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(cfg: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *extra, "--module", "training", "--config", str(cfg)]
-
-
-def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path, cache):
+@pytest.mark.integration
+def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path, digits_cache):
     import torch
 
     def two_proc(d):
@@ -153,12 +106,13 @@ def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path, cache):
 
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref_dir.mkdir(), run_dir.mkdir()
-    ref = subprocess.run(_torchrun(config(ref_dir, cache, epochs=3, edit=two_proc), "--standalone",
-                                   "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
+    ref = subprocess.run(torchrun(config(ref_dir, digits_cache, epochs=3, edit=two_proc), "--standalone",
+                                  "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
     assert ref.returncode == 0, ref.stderr[-3000:]
     step = random.Random(os.getpid()).randint(8, 55)
-    cfg = config(run_dir, cache, epochs=3, edit=two_proc, faults=[{"kind": "crash", "step": step, "rank": 1}])
-    run = subprocess.run(_torchrun(cfg, "--standalone", "--nproc-per-node=2", "--max-restarts=3"),
+    cfg = config(run_dir, digits_cache, epochs=3, edit=two_proc,
+                 changes={"rehearsal.faults": [{"kind": "crash", "step": step, "rank": 1}]})
+    run = subprocess.run(torchrun(cfg, "--standalone", "--nproc-per-node=2", "--max-restarts=3"),
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f"killed at step {step}\n" + run.stderr[-3000:]
     assert "resumed from" in run.stdout
@@ -167,17 +121,18 @@ def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path, cache):
     assert all(torch.equal(wa[k], wb[k]) for k in wa), f"weights differ after a kill at step {step}"
 
 
-def test_two_agents_rendezvous_on_loopback_train_and_resume(tmp_path, cache):
+@pytest.mark.integration
+def test_two_agents_rendezvous_on_loopback_train_and_resume(tmp_path, digits_cache):
     def two_nodes(d):
         d["training"].update(nodes=2, processes_per_node=1, global_batch_size=64)
 
-    port = _free_port()
+    port = free_port()
 
     def launch(epochs: int) -> list[subprocess.CompletedProcess]:
-        cfg = config(tmp_path, cache, epochs=epochs, edit=two_nodes)
+        cfg = config(tmp_path, digits_cache, epochs=epochs, edit=two_nodes)
         args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                 f"--rdzv-id=two-agents-{epochs}"]
-        agents = [subprocess.Popen(_torchrun(cfg, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        agents = [subprocess.Popen(torchrun(cfg, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                   for _ in range(2)]
         out = []
         for a in agents:
@@ -194,28 +149,30 @@ def test_two_agents_rendezvous_on_loopback_train_and_resume(tmp_path, cache):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["epochs"] == 2
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("edit", [
     lambda d: d["training"].update(parallelism="fsdp"),
     lambda d: d["training"].update(gradient_compression="fp16"),
     lambda d: d["training"].update(precision="bf16"),
     lambda d: d["training"].update(precision="fp16"),  # no fp16 autocast on CPU: fp32, loss scaler off
 ], ids=["fsdp", "fp16-compression", "bf16", "fp16-on-cpu"])
-def test_parallelism_and_precision_options_train_and_resume(tmp_path, cache, edit):
+def test_parallelism_and_precision_options_train_and_resume(tmp_path, digits_cache, edit):
     def opts(d):
         d["training"].update(processes_per_node=2, global_batch_size=64)
         edit(d)
 
-    first = subprocess.run(_torchrun(config(tmp_path, cache, epochs=1, edit=opts), "--standalone",
-                                     "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
+    first = subprocess.run(torchrun(config(tmp_path, digits_cache, epochs=1, edit=opts), "--standalone",
+                                    "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = subprocess.run(_torchrun(config(tmp_path, cache, epochs=3, edit=opts), "--standalone",
-                                      "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
+    second = subprocess.run(torchrun(config(tmp_path, digits_cache, epochs=3, edit=opts), "--standalone",
+                                     "--nproc-per-node=2"), capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["best"]["value"] > 0.8
 
 
+@pytest.mark.unit
 def test_checkpoint_averaging(tmp_path):
     import torch
 
@@ -228,6 +185,7 @@ def test_checkpoint_averaging(tmp_path):
     assert torch.equal(avg["w"], torch.full((3,), 3.0)) and int(avg["n"]) == 10
 
 
+@pytest.mark.unit
 def test_learning_rate_scales_linearly_with_global_batch():
     d = example_data()
     d["training"].update(learning_rate=0.001, lr_reference_batch_size=32, global_batch_size=256,
@@ -235,9 +193,10 @@ def test_learning_rate_scales_linearly_with_global_batch():
     assert parse_spec(d).training.effective_learning_rate == pytest.approx(0.008)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("action", ["alert", "rollback"])
-def test_loss_spike_alerts_and_rolls_back(tmp_path, cache, action):
-    cfg = config(tmp_path, cache, epochs=2, changes={
+def test_loss_spike_alerts_and_rolls_back(tmp_path, digits_cache, action):
+    cfg = config(tmp_path, digits_cache, epochs=2, changes={
         "rehearsal.faults": [{"kind": "spike", "step": 35}], "monitors.spike_action": action,
         "monitors.spike_window": 20, "checkpoint.every_steps": 10, "monitors.anomaly_checkpoint_min_steps": 0})
     proc = run_single(cfg)
@@ -256,10 +215,11 @@ def test_loss_spike_alerts_and_rolls_back(tmp_path, cache, action):
         assert summary["skipped_batches"] == []
 
 
-def test_alert_storm_checkpoints_the_last_good_state_once(tmp_path, cache):
+@pytest.mark.integration
+def test_alert_storm_checkpoints_the_last_good_state_once(tmp_path, digits_cache):
     # Two unmistakable spikes 25 steps apart under alert (the first has left the 20-step window by the
     # second): both raise an alert, only the first one saves.
-    cfg = config(tmp_path, cache, epochs=2, changes={
+    cfg = config(tmp_path, digits_cache, epochs=2, changes={
         "rehearsal.faults": [{"kind": "spike", "step": 35}, {"kind": "spike", "step": 60}],
         "monitors.spike_window": 20, "monitors.anomaly_checkpoint_min_steps": 100})
     proc = run_single(cfg)
@@ -271,6 +231,7 @@ def test_alert_storm_checkpoints_the_last_good_state_once(tmp_path, cache):
     assert saved == [34]
 
 
+@pytest.mark.unit
 def test_spike_detector_only_looks_and_a_kept_level_stops_alerting():
     det = SpikeDetector(window=20, zscore=3.0)
     for i in range(20):
@@ -284,6 +245,7 @@ def test_spike_detector_only_looks_and_a_kept_level_stops_alerting():
     assert 0 < alerts < 20 and det.check(5.0) is None
 
 
+@pytest.mark.unit
 def test_gradient_statistics_count_every_entry_by_power_of_two():
     import math
 
@@ -318,12 +280,14 @@ def test_gradient_statistics_count_every_entry_by_power_of_two():
     assert grad_stats([torch.nn.Parameter(torch.zeros(2))]) == {}
 
 
-def test_prometheus_endpoint_serves_training_metrics(tmp_path, cache):
+@pytest.mark.integration
+def test_prometheus_endpoint_serves_training_metrics(tmp_path, digits_cache):
     import urllib.request
 
-    port = _free_port()
-    cfg = config(tmp_path, cache, changes={"rehearsal.faults": [{"kind": "hang", "step": 20}],
-                                           "execution.hang_timeout_seconds": 10, "execution.metrics_port": port})
+    port = free_port()
+    cfg = config(tmp_path, digits_cache, changes={"rehearsal.faults": [{"kind": "hang", "step": 20}],
+                                                  "execution.hang_timeout_seconds": 10,
+                                                  "execution.metrics_port": port})
     proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -346,6 +310,7 @@ def test_prometheus_endpoint_serves_training_metrics(tmp_path, cache):
     assert proc.returncode == EXIT_CODES["hang"]
 
 
+@pytest.mark.integration
 def test_average_export_cli(tmp_path):
     import torch
 
@@ -365,28 +330,33 @@ def test_average_export_cli(tmp_path):
     assert bad.returncode == 1 and "size 8 does not match the manifest" in bad.stderr
 
 
-def test_checkpoint_from_another_model_shape_is_refused(tmp_path, cache):
-    assert run_single(config(tmp_path, cache, epochs=1)).returncode == 0
-    proc = run_single(config(tmp_path, cache, epochs=2, changes={"model.hidden_size": 64}))
+@pytest.mark.integration
+def test_checkpoint_from_another_model_shape_is_refused(tmp_path, digits_cache):
+    assert run_single(config(tmp_path, digits_cache, epochs=1)).returncode == 0
+    proc = run_single(config(tmp_path, digits_cache, epochs=2, changes={"model.hidden_size": 64}))
     assert proc.returncode == EXIT_CODES["data"]
     assert "refusing to resume" in record(tmp_path)["exception"]
     assert "(hidden 128), not this run's mlp [8, 8] -> 10 (hidden 64)" in record(tmp_path)["exception"]
 
 
-def test_unknown_optimizer_is_a_config_error(tmp_path, cache):
-    proc = run_single(config(tmp_path, cache, changes={"optim.optimizer": "lamb"}))
+@pytest.mark.integration
+def test_unknown_optimizer_is_a_config_error(tmp_path, digits_cache):
+    proc = run_single(config(tmp_path, digits_cache, changes={"optim.optimizer": "lamb"}))
     assert proc.returncode == EXIT_CODES["config"]
     assert "optimizer: unknown optimizer 'lamb'; known: adamw, sgd" in proc.stderr
 
 
-def test_resume_from_the_average_of_the_last_checkpoints(tmp_path, cache):
-    assert run_single(config(tmp_path, cache, epochs=2, changes={"checkpoint.every_steps": 20})).returncode == 0
-    proc = run_single(config(tmp_path, cache, epochs=3, changes={"checkpoint.every_steps": 20,
-                                                                 "checkpoint.resume_average_last": 3}))
+@pytest.mark.integration
+def test_resume_from_the_average_of_the_last_checkpoints(tmp_path, digits_cache):
+    every = {"checkpoint.every_steps": 20}
+    assert run_single(config(tmp_path, digits_cache, epochs=2, changes=every)).returncode == 0
+    proc = run_single(config(tmp_path, digits_cache, epochs=3, changes={**every,
+                                                                        "checkpoint.resume_average_last": 3}))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resuming from the average of 3 checkpoints" in proc.stdout
 
 
+@pytest.mark.unit
 def test_a_monitor_setting_reaches_the_anomaly_policy_from_the_spec():
     # One definition (training.config.sections.MonitorSettings.max_rollbacks): the spec field, its
     # bounds, the run config and the policy that uses it.

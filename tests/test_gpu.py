@@ -14,29 +14,30 @@ import time
 import urllib.request
 
 import pytest
-from test_faults import _free_port, cache, config, record, run_single  # noqa: F401  (cache: a fixture)
+from helpers import config, free_port, record, run_single
 
 from training.failure import EXIT_CODES
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
-def test_nccl_fp16_trains_resumes_and_reports_nvml(tmp_path, cache):  # noqa: F811
+def test_nccl_fp16_trains_resumes_and_reports_nvml(tmp_path, digits_cache):
     ranks = min(2, torch.cuda.device_count())
 
     def fp16(d):
         d["training"].update(precision="fp16", loss_scale={"initial": 8192, "growth_interval": 100},
                              processes_per_node=ranks, global_batch_size=32 * ranks)
 
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             "--module", "training", "--config"]
-    first = subprocess.run([*argv, str(config(tmp_path, cache, epochs=1, edit=fp16))], capture_output=True,
+    first = subprocess.run([*argv, str(config(tmp_path, digits_cache, epochs=1, edit=fp16))], capture_output=True,
                            text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"world {ranks} (nccl" in first.stdout
-    cfg = config(tmp_path, cache, epochs=3, edit=fp16, changes={"execution.metrics_port": port})
+    cfg = config(tmp_path, digits_cache, epochs=3, edit=fp16, changes={"execution.metrics_port": port})
     proc = subprocess.Popen([*argv, str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     text, deadline = "", time.monotonic() + 120
     while "ballast_train_gpu_utilization_percent{" not in text and proc.poll() is None:
@@ -57,12 +58,12 @@ def test_nccl_fp16_trains_resumes_and_reports_nvml(tmp_path, cache):  # noqa: F8
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["best"]["value"] > 0.8
 
 
-def test_memory_cap_turns_an_oversized_model_into_the_oom_class(tmp_path, cache):  # noqa: F811
+def test_memory_cap_turns_an_oversized_model_into_the_oom_class(tmp_path, digits_cache):
     # hidden 20000: 0.4 G parameters, 1.6 GB of weights and 3.2 GB of AdamW moments; the cap leaves
     # far less than that of the device.
     total = torch.cuda.get_device_properties(0).total_memory
     fraction = 2e9 / total
-    cfg = config(tmp_path, cache, edit=lambda d: d["training"].update(hidden_size=20000),
+    cfg = config(tmp_path, digits_cache, edit=lambda d: d["training"].update(hidden_size=20000),
                  changes={"resources.gpu_memory_fraction": fraction})
     proc = run_single(cfg)
     assert proc.returncode == EXIT_CODES["oom"], proc.stderr[-3000:]

@@ -9,6 +9,8 @@ import pytest
 import training.metrics
 from training.metrics import ScoreSums, classification_sums, improved, per_class_accuracy, reaches
 
+pytestmark = pytest.mark.unit
+
 
 def test_scores_from_parts_summed_over_shards_equal_the_whole():
     import torch

@@ -11,7 +11,7 @@ import sys
 import pytest
 from ballast.errors import SpecError
 from ballast.spec import apply_overrides, load_spec
-from conftest import EXAMPLE_SPEC
+from helpers import EXAMPLE_SPEC
 
 ALLOWED = "allowed: epochs, learning_rate, micro_batch_size, patience"
 

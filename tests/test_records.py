@@ -11,7 +11,9 @@ from ballast.plan import STAGES
 from ballast.records import (RECORDS, CheckedCheckpoint, ConvertResult, RunReport, StageRecords, TrainResult,
                              ValidateResult, VerifyResult, WarmCacheResult, WarmUpPhase)
 from ballast.spec import parse_spec
-from conftest import example_data
+from helpers import example_data
+
+pytestmark = pytest.mark.unit
 
 
 def make_ctx(tmp_path) -> RunContext:

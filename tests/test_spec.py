@@ -9,9 +9,10 @@ import sys
 import pytest
 from ballast.errors import SpecError
 from ballast.spec import Spec, apply_overrides, json_schema, load_spec, parse_spec
-from conftest import EXAMPLE_SPEC, example_data, write_spec
+from helpers import EXAMPLE_SPEC, example_data, write_spec
 
 
+@pytest.mark.unit
 def test_example_spec_parses_into_frozen_model():
     spec = load_spec(EXAMPLE_SPEC)
     assert spec.dag_id == "ballast_digits"
@@ -23,6 +24,7 @@ def test_example_spec_parses_into_frozen_model():
         spec.training.epochs = 3  # type: ignore[misc]
 
 
+@pytest.mark.unit
 def test_defaults_come_from_the_seed_documents():
     spec = parse_spec({**example_data(), "recovery": {}, "evaluation": {"metric": "accuracy"}})
     assert spec.recovery.retries == 3
@@ -93,6 +95,7 @@ BAD = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("edit,pattern", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_spec_gets_one_line_naming_file_and_field(tmp_path, edit, pattern):
     path = write_spec(tmp_path / "bad.yaml", edit)
@@ -102,6 +105,7 @@ def test_bad_spec_gets_one_line_naming_file_and_field(tmp_path, edit, pattern):
     assert all("\n" not in line for line in info.value.problems)
 
 
+@pytest.mark.unit
 def test_line_numbers_point_at_the_bad_key(tmp_path):
     path = write_spec(tmp_path / "bad.yaml", lambda d: d["training"].update(epochs=0))
     lineno = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith("epochs:"))
@@ -109,6 +113,7 @@ def test_line_numbers_point_at_the_bad_key(tmp_path):
         load_spec(path)
 
 
+@pytest.mark.unit
 def test_several_problems_are_all_reported(tmp_path):
     path = write_spec(tmp_path / "bad.yaml", lambda d: d["training"].update(epochs=0, precision="fp64", bogus=1))
     with pytest.raises(SpecError) as info:
@@ -116,6 +121,7 @@ def test_several_problems_are_all_reported(tmp_path):
     assert len(info.value.problems) == 3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content,pattern", [
     (b"name: x\ntraining: [1, 2\n", r"bad\.yaml:3: invalid YAML: did not find expected ',' or '\]'"),
     (b"- a\n- b\n", r"bad\.yaml: a spec is a YAML mapping of sections .* this file is a list"),
@@ -130,11 +136,13 @@ def test_unreadable_yaml(tmp_path, content, pattern):
         load_spec(path)
 
 
+@pytest.mark.unit
 def test_missing_file(tmp_path):
     with pytest.raises(SpecError, match=r"nope\.yaml: cannot read spec \(No such file or directory\)"):
         load_spec(tmp_path / "nope.yaml")
 
 
+@pytest.mark.unit
 def test_overrides_are_applied_and_revalidated():
     spec = load_spec(EXAMPLE_SPEC)
     new = apply_overrides(spec, {"learning_rate": 0.01, "epochs": 2})
@@ -148,6 +156,7 @@ def test_overrides_are_applied_and_revalidated():
         apply_overrides(spec, {"micro_batch_size": 24})
 
 
+@pytest.mark.unit
 def test_json_schema_describes_fields():
     schema = json_schema()
     assert schema["title"] == "Ballast training pipeline spec"
@@ -161,6 +170,7 @@ def _ballast(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ballast.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.integration
 def test_lint_command_exit_codes_and_one_line_per_error(tmp_path):
     good = write_spec(tmp_path / "good.yaml")
     bad = write_spec(tmp_path / "bad.yaml", lambda d: d["training"].update(epochs=0, bogus=True))
@@ -173,6 +183,7 @@ def test_lint_command_exit_codes_and_one_line_per_error(tmp_path):
     assert "Traceback" not in res.stdout + res.stderr
 
 
+@pytest.mark.integration
 def test_schema_command_prints_json(tmp_path):
     out = tmp_path / "schema.json"
     res = _ballast("schema", "-o", str(out))
@@ -180,6 +191,7 @@ def test_schema_command_prints_json(tmp_path):
     assert json.loads(out.read_text())["properties"]["training"]["$ref"] == "#/$defs/TrainingSpec"
 
 
+@pytest.mark.unit
 def test_every_model_field_is_documented():
     missing = []
 

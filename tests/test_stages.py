@@ -10,60 +10,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
-from ballast.spec import parse_spec
 from ballast.packing import split_codes
-from ballast.records import Record, WarmCacheResult
 from ballast.stages import convert, validate, warm_cache
 from ballast.stages.warm_cache import plan_phases
 from ballast.storage import LocalStorage, safe_key
-from conftest import example_data
+from helpers import make_ctx, raw_table, run_chain, warm_cache_rest, write_raw
 
 
-def make_ctx(tmp_path: Path, raw: Path, edit=None, run_id: str = "manual__2026-01-01T00:00:00+00:00") -> RunContext:
-    d = example_data()
-    d["dataset"]["location"] = str(raw)
-    d["storage"]["uri"] = str(tmp_path / "storage")
-    d["cache"]["directory"] = str(tmp_path / "cache")
-    if edit:
-        edit(d)
-    return RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id=run_id)
-
-
-def raw_table(n: int = 1200, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    images = rng.uniform(0, 16, size=(n, 64)).astype(np.float32)
-    labels = rng.integers(0, 10, size=n).astype(np.int64)
-    return {"images": images, "labels": labels}
-
-
-def write_raw(path: Path, images, labels, *, image_type=None) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    col = pa.array([row.tolist() for row in images], type=image_type or pa.list_(pa.float32()))
-    pq.write_table(pa.table({"image": col, "label": pa.array(labels)}), path)
-    return path
-
-
-class warm_cache_rest:  # noqa: N801  (used like a stage module in run_chain)
-    """The later warm-up phases, which the train task warms in the background."""
-
-    __name__ = "ballast.stages.warm_cache_rest"
-
-    @staticmethod
-    def run(ctx: RunContext) -> WarmCacheResult:
-        return warm_cache.warm_rest(ctx)
-
-
-def run_chain(ctx: RunContext, *stages) -> dict[str, Record]:
-    out = {}
-    for module in stages:
-        name = module.__name__.rsplit(".", 1)[-1]
-        out[name] = module.run(ctx)
-        ctx.save_result(name, out[name])
-    return out
-
-
+@pytest.mark.integration
 def test_validate_passes_on_digits(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     result = validate.run(ctx)
@@ -72,6 +27,7 @@ def test_validate_passes_on_digits(tmp_path, digits_raw):
     assert len(result.input_fingerprint) == 64
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("damage,pattern", [
     ("nan", r"expect_column_values_to_be_in_set on image__finite: expected values in \[True\], 3 rows"),
     ("labels", r"expect_column_values_to_be_in_set on label: expected values in \[0, 1, .*\], 2 rows, e\.g\. \[(42|-1), (42|-1)\]"),
@@ -120,6 +76,7 @@ def _damaged_raw(tmp_path: Path) -> tuple[Path, list[int]]:
     return raw, [1, 3, 4, 5, 9]
 
 
+@pytest.mark.integration
 def test_validate_failure_keeps_data_docs(tmp_path):
     raw, _ = _damaged_raw(tmp_path)
     ctx = make_ctx(tmp_path, raw.parent)
@@ -132,6 +89,7 @@ def test_validate_failure_keeps_data_docs(tmp_path):
     assert pages, "the validation result page is part of the site"
 
 
+@pytest.mark.integration
 def test_validate_quarantines_bad_rows_and_convert_leaves_them_out(tmp_path):
     raw, bad = _damaged_raw(tmp_path)
     def quarantine(limit):
@@ -157,6 +115,7 @@ def test_validate_quarantines_bad_rows_and_convert_leaves_them_out(tmp_path):
         validate.run(strict)
 
 
+@pytest.mark.integration
 def test_quarantine_does_not_excuse_table_level_failures(tmp_path):
     t = raw_table(50)
     raw = write_raw(tmp_path / "raw" / "part-0.parquet", t["images"], t["labels"])
@@ -165,6 +124,7 @@ def test_quarantine_does_not_excuse_table_level_failures(tmp_path):
         validate.run(ctx)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind,pattern", [
     ("missing_column", r"part-0\.parquet: missing column 'label' \(dataset\.fields\)"),
     ("wrong_type", r"part-0\.parquet: column 'image' has type string, spec says an array of float32 with shape \[8, 8\]"),
@@ -187,6 +147,7 @@ def test_validate_refuses_unreadable_or_mismatched_input(tmp_path, kind, pattern
         validate.run(make_ctx(tmp_path, location))
 
 
+@pytest.mark.integration
 def test_convert_writes_manifest_and_is_idempotent(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     out = run_chain(ctx, validate, convert)["convert"]
@@ -204,6 +165,7 @@ def test_convert_writes_manifest_and_is_idempotent(tmp_path, digits_raw):
     assert convert.run(ctx2).dataset_id != out.dataset_id
 
 
+@pytest.mark.integration
 def test_converted_shards_are_readable_by_petastorm_and_tfrecord(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     out = run_chain(ctx, validate, convert)["convert"]
@@ -233,6 +195,7 @@ def test_converted_shards_are_readable_by_petastorm_and_tfrecord(tmp_path, digit
     assert bytes(first["image"]) in raw
 
 
+@pytest.mark.integration
 def test_png_images_roundtrip_through_petastorm_and_the_training_reader(tmp_path):
     from petastorm import make_reader
 
@@ -261,6 +224,7 @@ def test_png_images_roundtrip_through_petastorm_and_the_training_reader(tmp_path
     assert all(known[x.astype(np.uint8).tobytes()] == y for x, y in zip(test.features, test.labels))
 
 
+@pytest.mark.unit
 def test_split_assignment_is_deterministic():
     ids = np.arange(10_000)
     a = split_codes(ids, validation=0.1, test=0.15, seed=7)
@@ -272,6 +236,7 @@ def test_split_assignment_is_deterministic():
     assert (split_codes(ids[5000:], validation=0.1, test=0.15, seed=7) == a[5000:]).all()
 
 
+@pytest.mark.integration
 def test_convert_streams_in_bounded_batches_with_the_same_output(tmp_path, digits_raw):
     big = make_ctx(tmp_path / "a", digits_raw)
     small = make_ctx(tmp_path / "b", digits_raw, lambda d: d["conversion"].update(read_batch_rows=37))
@@ -283,6 +248,7 @@ def test_convert_streams_in_bounded_batches_with_the_same_output(tmp_path, digit
     assert [(f["path"], f["sha256"]) for f in m1["files"]] == [(f["path"], f["sha256"]) for f in m2["files"]]
 
 
+@pytest.mark.integration
 def test_warm_cache_stages_follow_the_training_read_order(tmp_path, digits_raw):
     from training.dataset.loader import EpochLoader
 
@@ -320,6 +286,7 @@ def test_warm_cache_stages_follow_the_training_read_order(tmp_path, digits_raw):
     assert sum(p.downloaded for r in third.values() for p in r.phases) == 1
 
 
+@pytest.mark.integration
 def test_warm_cache_resumes_a_partial_download(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
@@ -338,6 +305,7 @@ def test_warm_cache_resumes_a_partial_download(tmp_path, digits_raw):
     assert not part.exists()
 
 
+@pytest.mark.integration
 def test_warm_cache_refuses_damaged_source_and_over_budget(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
@@ -357,6 +325,7 @@ def test_warm_cache_refuses_damaged_source_and_over_budget(tmp_path, digits_raw)
         warm_cache.run(small)
 
 
+@pytest.mark.integration
 def test_warm_cache_refuses_keys_escaping_the_cache(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     conv = run_chain(ctx, validate, convert)["convert"]
@@ -368,12 +337,14 @@ def test_warm_cache_refuses_keys_escaping_the_cache(tmp_path, digits_raw):
         warm_cache.run(ctx)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key", ["../x", "/etc/passwd", "a/../../b", ""])
 def test_safe_key_refuses_escapes(key):
     with pytest.raises(StorageError):
         safe_key(key)
 
 
+@pytest.mark.unit
 def test_local_storage_roundtrip(tmp_path):
     s = LocalStorage(tmp_path)
     s.write_bytes("a/b.txt", b"hi")
@@ -383,6 +354,7 @@ def test_local_storage_roundtrip(tmp_path):
         s.read_bytes("a/missing")
 
 
+@pytest.mark.integration
 def test_training_is_ended_when_the_background_warm_up_fails(tmp_path):
     import logging
     import sys
@@ -400,6 +372,7 @@ def test_training_is_ended_when_the_background_warm_up_fails(tmp_path):
     assert not hung and rc != 0 and time.monotonic() - t0 < 20
 
 
+@pytest.mark.unit
 def test_vectorised_encoding_is_exactly_what_petastorm_codecs_write():
     from petastorm.codecs import CompressedImageCodec, NdarrayCodec
     from petastorm.unischema import UnischemaField
@@ -419,6 +392,7 @@ def test_vectorised_encoding_is_exactly_what_petastorm_codecs_write():
     assert all((d == i).all() for d, i in zip(decoded, img))  # lossless, and RGB order as petastorm expects
 
 
+@pytest.mark.integration
 def test_convert_refuses_raw_data_changed_after_validation(tmp_path):
     t = raw_table()
     raw = write_raw(tmp_path / "raw" / "part-0.parquet", t["images"], t["labels"])
@@ -430,6 +404,7 @@ def test_convert_refuses_raw_data_changed_after_validation(tmp_path):
     assert not list((tmp_path / "storage").rglob("manifest.json"))
 
 
+@pytest.mark.integration
 def test_a_download_cut_mid_object_is_named_and_resumed(tmp_path, digits_raw):
     """A connection dropped mid-object: StorageError naming it, the .part kept, the next try resumes."""
     ctx = make_ctx(tmp_path, digits_raw)

@@ -9,6 +9,8 @@ import pytest
 from ballast.errors import StorageError
 from ballast.storage import S3Storage, open_storage
 
+pytestmark = pytest.mark.integration  # a real S3 server over HTTP
+
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
@@ -81,7 +83,7 @@ def test_committed_checkpoints_upload_marker_last(bucket, tmp_path):
     from ballast.context import RunContext
     from ballast.spec import parse_spec
     from ballast.stages.train import upload_checkpoints
-    from conftest import example_data
+    from helpers import example_data
     from training import checkpoint as ckpt
 
     for step in (10, 20):
@@ -107,7 +109,7 @@ def test_data_plane_through_s3(bucket, tmp_path, digits_raw):
 
     from ballast.errors import DataError
     from ballast.stages import convert, validate, warm_cache
-    from test_stages import make_ctx, run_chain, warm_cache_rest
+    from helpers import make_ctx, run_chain, warm_cache_rest
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["storage"].update(uri=f"s3://{bucket}/pipes", max_attempts=2))
     out = run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)

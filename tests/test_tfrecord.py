@@ -156,6 +156,7 @@ def read_with_the_readme_recipe(root: Path, split: str, tf) -> list:
     return list(namespace["read_split"](str(root), split))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype,shape,codec", CASES)
 def test_the_readme_recipe_on_the_tfrecord_package_gives_back_every_array(tmp_path, dtype, shape, codec):
     x, y = write_dataset(tmp_path, dtype, shape, codec)
@@ -182,6 +183,7 @@ def test_the_readme_recipe_on_the_tfrecord_package_gives_back_every_array(tmp_pa
     assert np.array_equal(split.features, x.astype(np.float32)) and np.array_equal(split.labels, y)
 
 
+@pytest.mark.unit
 def test_tfrecord_shards_are_byte_identical_across_writes(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     write_dataset(a, "float32", (8, 8), "auto")
@@ -204,6 +206,7 @@ np.savez(sys.argv[3], x=np.stack(xs), y=np.asarray(ys, np.int64))
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not os.environ.get("BALLAST_TF_PYTHON"),
                     reason="BALLAST_TF_PYTHON is not set: point it at a Python with TensorFlow (not in .venv)")
 def test_tensorflow_reads_the_shards_with_the_readme_recipe(tmp_path):

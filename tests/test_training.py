@@ -12,18 +12,10 @@ import pytest
 from ballast.launch_spec import adapt_micro_batch, run_config, torchrun_argv
 from ballast.spec import load_spec, parse_spec
 from ballast.stages import convert, validate, warm_cache
-from conftest import EXAMPLE_SPEC, example_data
-from test_stages import make_ctx, run_chain, warm_cache_rest
+from helpers import EXAMPLE_SPEC, example_data, make_ctx, run_chain, warm_cache_rest, write_raw
 
 from training import checkpoint as ckpt
 from training.failure import EXIT_CODES
-
-
-@pytest.fixture(scope="module")
-def digits_cache(tmp_path_factory, digits_raw) -> dict:
-    tmp = tmp_path_factory.mktemp("cache")
-    ctx = make_ctx(tmp, digits_raw)
-    return run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
 
 
 def launch(tmp: Path, cache: dict, *, epochs: int, edit=None, out: str = "out") -> tuple[subprocess.CompletedProcess, Path]:
@@ -42,6 +34,7 @@ def launch(tmp: Path, cache: dict, *, epochs: int, edit=None, out: str = "out") 
     return proc, out_dir
 
 
+@pytest.mark.integration
 def test_torchrun_two_processes_train_and_commit_checkpoints(tmp_path, digits_cache):
     proc, out = launch(tmp_path, digits_cache, epochs=4)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,6 +58,7 @@ def test_torchrun_two_processes_train_and_commit_checkpoints(tmp_path, digits_ca
     assert 0.5 < rank0 / rank1 < 2.0, sizes
 
 
+@pytest.mark.integration
 def test_resume_from_committed_checkpoint_matches_an_uninterrupted_run(tmp_path, digits_cache):
     a = tmp_path / "a"
     b = tmp_path / "b"
@@ -84,6 +78,7 @@ def test_resume_from_committed_checkpoint_matches_an_uninterrupted_run(tmp_path,
     assert all(torch.equal(wa[k], wb[k]) for k in wa), "resumed weights differ from the uninterrupted run"
 
 
+@pytest.mark.integration
 def test_bad_run_config_exits_with_config_code_and_record(tmp_path, digits_cache):
     d = example_data()
     spec = parse_spec(d)
@@ -98,6 +93,7 @@ def test_bad_run_config_exits_with_config_code_and_record(tmp_path, digits_cache
     assert "unknown model 'resnet9000'" in proc.stderr
 
 
+@pytest.mark.integration
 def test_missing_data_is_a_data_failure(tmp_path):
     spec = parse_spec(example_data())
     out = tmp_path / "out"
@@ -123,6 +119,7 @@ def _fake_checkpoint(root: Path, step: int) -> Path:
     return w.commit()
 
 
+@pytest.mark.unit
 def test_uncommitted_checkpoint_is_invisible_to_resume(tmp_path):
     good = _fake_checkpoint(tmp_path, 10)
     later = _fake_checkpoint(tmp_path, 20)
@@ -133,6 +130,7 @@ def test_uncommitted_checkpoint_is_invisible_to_resume(tmp_path):
         ckpt.verify(later)
 
 
+@pytest.mark.unit
 def test_tampered_or_truncated_checkpoint_is_refused(tmp_path):
     good = _fake_checkpoint(tmp_path, 10)
     bad = _fake_checkpoint(tmp_path, 20)
@@ -149,6 +147,7 @@ def test_tampered_or_truncated_checkpoint_is_refused(tmp_path):
         ckpt.verify(good)
 
 
+@pytest.mark.unit
 def test_checkpoint_loads_refuse_pickled_objects(tmp_path):
     import pickle
 
@@ -163,6 +162,7 @@ def test_checkpoint_loads_refuse_pickled_objects(tmp_path):
         ckpt.load_tensors(evil)
 
 
+@pytest.mark.unit
 def test_prune_keeps_last_k_and_best(tmp_path):
     for step in (10, 20, 30, 40, 50):
         _fake_checkpoint(tmp_path, step)
@@ -170,6 +170,7 @@ def test_prune_keeps_last_k_and_best(tmp_path):
     assert [p.name for p in ckpt.committed(tmp_path)] == ["step-00000020", "step-00000040", "step-00000050"]
 
 
+@pytest.mark.unit
 def test_checkpoint_recorded_model_rebuilds_the_model_without_the_spec(tmp_path):
     import torch
 
@@ -198,6 +199,7 @@ def test_checkpoint_recorded_model_rebuilds_the_model_without_the_spec(tmp_path)
         ckpt.recorded_model(old)
 
 
+@pytest.mark.unit
 def test_launch_specs_are_pure_functions():
     spec = load_spec(EXAMPLE_SPEC)
     argv = torchrun_argv(spec, "/run/cfg.json", python="/py")
@@ -211,6 +213,7 @@ def test_launch_specs_are_pure_functions():
     assert (cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps) == (16, 2)  # global batch 64 kept
 
 
+@pytest.mark.unit
 def test_oom_adaptation_keeps_global_batch():
     spec = load_spec(EXAMPLE_SPEC)  # per process: 64 / 2 = 32
     assert adapt_micro_batch(spec, 32, 0.5) == 16
@@ -218,6 +221,7 @@ def test_oom_adaptation_keeps_global_batch():
     assert adapt_micro_batch(spec, 1, 0.5) == 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", ["petastorm", "tfrecord"])
 def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw, digits_cache, fmt):
     import numpy as np
@@ -248,6 +252,7 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
     assert np.isclose(float(x0.sum()), float(collect(0, workers=1)[0].sum()))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", ["petastorm", "tfrecord"])
 def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
     import shutil
@@ -271,6 +276,7 @@ def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
         load_split(copy, "test", fmt=fmt)
 
 
+@pytest.mark.unit
 def test_embeddings_stay_fp32_under_bf16_autocast():
     import torch
 
@@ -288,12 +294,11 @@ def test_embeddings_stay_fp32_under_bf16_autocast():
     assert model.values.weight.dtype == torch.float32 and model.values.weight.grad.dtype == torch.float32
 
 
+@pytest.mark.integration
 def test_embed_model_trains_in_bf16_on_uint8_images(tmp_path):
     """The embed model under torchrun with bf16 autocast on a PNG-coded uint8 dataset."""
     import numpy as np
     import pyarrow as pa
-
-    from test_stages import write_raw
 
     rng = np.random.default_rng(0)
     protos = rng.integers(0, 256, (10, 64))
@@ -316,6 +321,7 @@ def test_embed_model_trains_in_bf16_on_uint8_images(tmp_path):
     assert summary["best"]["value"] > 0.5  # learns the 10 noisy prototypes in bf16
 
 
+@pytest.mark.unit
 def test_checkpoint_files_are_hashed_while_written(tmp_path):
     import torch
 
@@ -338,6 +344,7 @@ def test_checkpoint_files_are_hashed_while_written(tmp_path):
     assert ckpt.latest_valid(tmp_path).name == final.name
 
 
+@pytest.mark.unit
 def test_optimizer_state_split_over_ranks_merges_back(tmp_path):
     import torch
 
@@ -365,6 +372,7 @@ def test_optimizer_state_split_over_ranks_merges_back(tmp_path):
         ckpt.load_optimizer(path, 3)
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
 @pytest.mark.parametrize("idle", [True, False])
 def test_background_writer_runs_at_idle_priority_and_is_waited_for(tmp_path, idle):
@@ -395,6 +403,7 @@ def test_background_writer_runs_at_idle_priority_and_is_waited_for(tmp_path, idl
     ckpt.verify(tmp_path / "step-00000006")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("refuse", [None, "open", "write"])
 def test_checkpoint_files_written_direct_or_buffered_are_torch_save_bytes(tmp_path, monkeypatch, refuse):
     import io
@@ -456,6 +465,7 @@ def test_checkpoint_files_written_direct_or_buffered_are_torch_save_bytes(tmp_pa
         assert (seen["unstaged"] > 0) == (refuse is None)  # the aligned tensor skipped the staging buffer
 
 
+@pytest.mark.integration
 def test_forked_loader_worker_drops_the_ranks_tcp_sockets():
     # A loader worker holding copies of a rank's gloo sockets kept a SIGKILLed rank's connections open
     # until the worker noticed the death (5 s), and the surviving ranks waited that long to fail.
@@ -488,6 +498,7 @@ def test_forked_loader_worker_drops_the_ranks_tcp_sockets():
     assert out == b"011"
 
 
+@pytest.mark.unit
 def test_resume_keeps_the_fused_optimizer_kernel():
     """A state saved by a foreach AdamW (an older version) must not switch a fused one back."""
     import torch
@@ -507,6 +518,7 @@ def test_resume_keeps_the_fused_optimizer_kernel():
     opt.step()  # the fused kernel accepts the loaded state (its step counter a CPU float tensor)
 
 
+@pytest.mark.integration
 def test_training_processes_keep_freed_host_memory_for_reuse(tmp_path):
     """Blocks above glibc's mmap threshold come back as fresh pages at every allocation unless the
     thresholds are raised: count the page faults of the same loop both ways."""

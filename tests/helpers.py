@@ -1,0 +1,143 @@
+"""Plain functions the test modules share: the example spec, stage chains on real files, raw tables,
+run configs and training launches. Fixtures live in conftest.py; no test module imports another.
+
+Imported after conftest.py has set the private Airflow and Ballast homes (pytest loads conftest.py
+first), so nothing here may be imported outside a pytest session that loaded it."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from ballast.context import RunContext
+from ballast.launch_spec import run_config
+from ballast.records import Record, WarmCacheResult
+from ballast.spec import parse_spec
+from ballast.stages import warm_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_SPEC = ROOT / "dags" / "specs" / "digits.yaml"
+RUN_ID = "manual__2026-01-01T00:00:00+00:00"
+
+Edit = Callable[[dict], Any]
+
+
+def example_data() -> dict:
+    """The example spec as a fresh dict (each caller may edit its own copy)."""
+    return yaml.safe_load(EXAMPLE_SPEC.read_text())
+
+
+def write_spec(path: Path, edit: Edit | None = None, *, data: dict | None = None) -> Path:
+    """Write the example spec to `path`, after `edit(d)` changes the dict in place."""
+    d = copy.deepcopy(data or example_data())
+    if edit is not None:
+        edit(d)
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+# --- the data-side stages on real files, without Airflow ---------------------------------------------
+
+def make_ctx(tmp_path: Path, raw: Path, edit: Edit | None = None, run_id: str = RUN_ID) -> RunContext:
+    """A run of the example spec reading `raw`, its storage and cache under `tmp_path`."""
+    d = example_data()
+    d["dataset"]["location"] = str(raw)
+    d["storage"]["uri"] = str(tmp_path / "storage")
+    d["cache"]["directory"] = str(tmp_path / "cache")
+    if edit:
+        edit(d)
+    return RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id=run_id)
+
+
+def raw_table(n: int = 1200, seed: int = 0) -> dict:
+    """`n` random 8x8 float images with labels 0-9: enough rows for the example's validation rules."""
+    rng = np.random.default_rng(seed)
+    images = rng.uniform(0, 16, size=(n, 64)).astype(np.float32)
+    labels = rng.integers(0, 10, size=n).astype(np.int64)
+    return {"images": images, "labels": labels}
+
+
+def write_raw(path: Path, images, labels, *, image_type=None) -> Path:
+    """One raw Parquet file with the example's columns (image as a list column, label)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    col = pa.array([row.tolist() for row in images], type=image_type or pa.list_(pa.float32()))
+    pq.write_table(pa.table({"image": col, "label": pa.array(labels)}), path)
+    return path
+
+
+class warm_cache_rest:  # noqa: N801  (used like a stage module in run_chain)
+    """The later warm-up phases, which the train task warms in the background."""
+
+    __name__ = "ballast.stages.warm_cache_rest"
+
+    @staticmethod
+    def run(ctx: RunContext) -> WarmCacheResult:
+        return warm_cache.warm_rest(ctx)
+
+
+def run_chain(ctx: RunContext, *stages) -> dict[str, Record]:
+    """Run stage modules in order, saving each record as the runner would; {stage name: record}."""
+    out = {}
+    for module in stages:
+        name = module.__name__.rsplit(".", 1)[-1]
+        out[name] = module.run(ctx)
+        ctx.save_result(name, out[name])
+    return out
+
+
+# --- training processes ------------------------------------------------------------------------------
+
+def config(tmp: Path, cache: WarmCacheResult, *, epochs: int = 2, edit: Edit | None = None,
+           changes: dict | None = None) -> Path:
+    """A run config from the example spec (after `edit(d)`), with `{"section.field": value}` changes
+    written as given, unvalidated: a bad value reaches the trainer's own check."""
+    d = example_data()
+    d["training"].update(epochs=epochs, processes_per_node=1, global_batch_size=32)
+    d["evaluation"]["patience"] = 50
+    if edit:
+        edit(d)
+    cfg = run_config(parse_spec(d), data_dir=cache.cache_dir, data_format=cache.format,
+                     checkpoint_dir=str(tmp / "ckpt"), output_dir=str(tmp / "out"))
+    data = cfg.model_dump(mode="json")
+    for dotted, value in (changes or {}).items():
+        *head, last = dotted.split(".")
+        node = data
+        for part in head:
+            node = node[part]
+        assert last in node, f"{dotted}: not a run config field"
+        node[last] = value
+    path = tmp / "run.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def run_single(cfg: Path, **kw) -> subprocess.CompletedProcess:
+    """One training process (no torchrun) on the run config `cfg`."""
+    return subprocess.run([sys.executable, "-m", "training", "--config", str(cfg)], capture_output=True, text=True,
+                          timeout=180, **kw)
+
+
+def record(tmp: Path) -> dict:
+    """The failure record a training process under `tmp` (run by `config`) wrote."""
+    return json.loads((tmp / "out" / "failure.json").read_text())
+
+
+def free_port() -> int:
+    """A loopback port free at the time of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(cfg: Path, *extra: str) -> list[str]:
+    """The torchrun argv for the training module on `cfg`, with launcher arguments `extra`."""
+    return [sys.executable, "-m", "torch.distributed.run", *extra, "--module", "training", "--config", str(cfg)]
