@@ -15,7 +15,7 @@ export AIRFLOW__CORE__EXECUTOR ?= LocalExecutor
 export GX_ANALYTICS_ENABLED ?= False
 export TQDM_DISABLE ?= 1
 
-.PHONY: env java demo test ui lint schema bench constraints clean
+.PHONY: env java demo test unit ui lint schema bench constraints clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ demo: env
 
 test: env
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The fast tier: in-process tests of spec, plan, records, launch specs, checkpoints and codecs (under a
+# minute; no torchrun, Spark, GX, S3 server or Airflow database). `make test` runs every tier.
+unit: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -ra -m unit $(PYTEST_ARGS)
 
 # The Airflow UI on the same homes: http://127.0.0.1:$(PORT) (no login; local development only).
 PORT ?= 8080
