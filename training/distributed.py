@@ -21,6 +21,7 @@ class Distributed:
         import torch
         import torch.distributed as dist
 
+        self.cfg = cfg
         self.rank = int(os.environ.get("RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -47,12 +48,6 @@ class Distributed:
             else:
                 dist.init_process_group(self.backend, timeout=timeout)
             self.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
-
-    def barrier(self) -> None:
-        if self.enabled:
-            import torch.distributed as dist
-
-            dist.barrier()
 
     def ckpt_barrier(self) -> None:
         if self.enabled:
@@ -86,11 +81,11 @@ class Distributed:
 
             dist.destroy_process_group()
 
-    def parallelize(self, model: Any, cfg: DistributedConfig) -> Any:
+    def parallelize(self, model: Any) -> Any:
         """DDP (optionally with gradient compression) or FSDP over the process group; as is alone."""
         if not self.enabled:
             return model
-        d = cfg
+        d = self.cfg
         if d.parallelism == "fsdp":
             from torch.distributed.fsdp import fully_shard
 

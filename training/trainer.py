@@ -77,7 +77,7 @@ class Trainer:
                               f" {list(self.train_data.decoder.shape)}, the model expects {list(cfg.model.input_shape)}")
 
         self.raw_model = build_configured_model(cfg.model).to(self.dist.device)
-        self.model = self.dist.parallelize(self.raw_model, cfg.distributed)
+        self.model = self.dist.parallelize(self.raw_model)
         self.lr = cfg.optim.learning_rate
         self.opt = build_optimizer(cfg.optim.optimizer, self.model.parameters(), lr=self.lr,
                                    weight_decay=cfg.optim.weight_decay)

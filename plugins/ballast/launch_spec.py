@@ -24,7 +24,7 @@ S = TypeVar("S", bound=BaseModel)
 def adapt_micro_batch(spec: Spec, current: int, factor: float) -> int:
     """A smaller micro-batch after an out-of-memory failure that still divides the per-process batch,
     so the global batch stays fixed (gradient accumulation makes up the difference)."""
-    per_process = spec.training.global_batch_size // spec.training.world_size
+    per_process = spec.training.per_process_batch
     target = max(1, math.floor(current * factor))
     return max(d for d in range(1, target + 1) if per_process % d == 0)
 
@@ -43,7 +43,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         data=_section(DataConfig, t, directory=data_dir, format=data_format, feature=feature.name,
                       label=spec.dataset.label, wait_seconds=data_wait_seconds),
         batch=_section(BatchConfig, t, micro_batch_size=micro,
-                       grad_accum_steps=t.global_batch_size // t.world_size // micro),
+                       grad_accum_steps=t.grad_accum_for(micro)),
         optim=_section(OptimSettings, t, learning_rate=t.effective_learning_rate),
         numerics=_section(NumericsSettings, t),
         distributed=_section(DistributedConfig, t),

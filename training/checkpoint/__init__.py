@@ -8,6 +8,9 @@ and `ballast.storage` import this package in the orchestrator):
     sharding  the optimizer state in parts, one share per rank, merged at load
     saver     the background writer (`AsyncSaver`), at idle CPU priority where asked
     average   the mean of the last checkpoints' weights, and the export CLI (`python -m training.average`)
+    snapshot  CPU copies of the state into buffers reused from save to save
+    manager   what a training checkpoint holds: the trainer's `save(reason)` and `load()`
+              (imported from `training.checkpoint.manager` by the trainer; not re-exported here)
 
 Callers use the package: `from training import checkpoint as ckpt; ckpt.verify(path)`.
 """

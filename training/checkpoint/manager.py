@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from training.checkpoint.average import average
-from training.checkpoint.commit import TRAINER_STATE, committed, latest_valid, read_trainer_state
+from training.checkpoint.commit import TRAINER_STATE, committed, latest_valid, read_trainer_state, recorded_model
 from training.checkpoint.fileio import load_tensors
 from training.checkpoint.saver import AsyncSaver
 from training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
@@ -131,7 +131,7 @@ class CheckpointManager:
             self.log("no committed checkpoint; starting from scratch")
             return False
         saved = read_trainer_state(path)
-        self._check_model(path, saved)
+        self._check_model(path)
         model_sd = load_tensors(path / "model.pt")
         if self.cfg.resume_average_last > 1:
             recent = committed(self.root)[-self.cfg.resume_average_last:]
@@ -159,7 +159,7 @@ class CheckpointManager:
                      f" RNG streams and the data order restart for the new world")
         self.state.load_state_dict(saved)
         for key, obj in self.states.items():
-            if saved.get(key):
+            if saved.get(key) is not None:  # an empty spike window is restored too: a rollback clears it
                 obj.load_state_dict(saved[key])
         seconds = time.monotonic() - t0
         self.metrics.set(checkpoint_load_seconds=seconds)
@@ -167,14 +167,17 @@ class CheckpointManager:
         self.metrics.event("resume", self.state.step, path=str(path), seconds=round(seconds, 4))
         return True
 
-    def _check_model(self, path: Path, saved: dict[str, Any]) -> None:
-        m = self.model_section
-        mine = (m.model, list(m.input_shape), m.num_classes, m.hidden_size)
-        theirs = (saved["model"], list(saved["input_shape"]), saved["num_classes"], saved.get("hidden_size"))
-        if mine != theirs:
-            raise CheckpointFailure(f"{path}: checkpoint is for model {theirs[0]} {theirs[1]} -> {theirs[2]} classes"
-                                    f" (hidden {theirs[3]}), not this run's {mine[0]} {mine[1]} -> {mine[2]}"
-                                    f" (hidden {mine[3]}); refusing to resume")
+    def _check_model(self, path: Path) -> None:
+        """Refuse a checkpoint of another model: every field of the model section but dropout (which
+        changes no weight) must be what the checkpoint recorded."""
+        theirs = recorded_model(path)
+        mine = self.model_section.model_dump(mode="json", exclude={"dropout"})
+        if any(theirs.get(k) != v for k, v in mine.items()):
+            def describe(m: dict[str, Any]) -> str:
+                return f"{m['model']} {m['input_shape']} -> {m['num_classes']} classes (hidden {m.get('hidden_size')})"
+
+            raise CheckpointFailure(f"{path}: checkpoint is for model {describe(theirs)}, not this run's"
+                                    f" {describe(mine).replace(' classes', '')}; refusing to resume")
 
     def _load_full_state(self, model_sd: dict, optim_sd: dict | None) -> None:
         from training.models import keeping_optimizer_kernel

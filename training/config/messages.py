@@ -27,7 +27,7 @@ _UNION_MEMBERS = {"str", "int", "float", "bool"}
 
 def describe(err: dict[str, Any], root: type[BaseModel]) -> tuple[tuple, str, Any]:
     """(field location, message, the bad value or NOVALUE) for one pydantic error of a `root` model."""
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and _is_union_member(p)))
+    loc = _field_location(tuple(err["loc"]), root)
     kind, ctx, value, msg = err["type"], err.get("ctx") or {}, err.get("input"), err["msg"]
     if kind == "value_error":
         msg = str(ctx.get("error", msg))
@@ -60,8 +60,30 @@ def describe(err: dict[str, Any], root: type[BaseModel]) -> tuple[tuple, str, An
     return loc, msg, value
 
 
-def _is_union_member(part: str) -> bool:
-    return part in _UNION_MEMBERS or (part[:1].isupper() and part.isidentifier())
+def _field_location(loc: tuple, root: type[BaseModel]) -> tuple:
+    """`loc` without the tags pydantic adds for the member of a union it tried (`int`, `str`, a model's
+    class name): walking the models, a part that is no field there but names a member is dropped."""
+    out: list = []
+    model: Any = root
+    members: set[str] = set()  # the class names of the union the last field holds
+    for part in loc:
+        fields = getattr(model, "model_fields", None) or {}
+        if isinstance(part, str) and part not in fields and (part in _UNION_MEMBERS or part in members):
+            continue
+        out.append(part)
+        if isinstance(part, str) and part in fields:
+            ann = fields[part].annotation
+            members = {a.__name__ for a in getattr(ann, "__args__", ()) if isinstance(a, type)}
+            model = _nested(ann)
+    return tuple(out)
+
+
+def _nested(ann: Any) -> Any:
+    """The model class a field holds (directly, in a union or in a tuple), or None."""
+    for a in (ann, *getattr(ann, "__args__", ())):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
 
 
 def dotted(loc: tuple) -> str:

@@ -172,6 +172,11 @@ class LoaderSettings(Section):
     loader_prefetch: int = Field(2, ge=1, le=64)
     """Shard chunks each loader worker decodes ahead."""
 
+    @field_validator("loader_workers", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, v: object) -> object:
+        return 2 if v is None else v  # specs written when the default was `null` (= 2 per process)
+
 
 class DataConfig(LoaderSettings):
     directory: str = Field(min_length=1)

@@ -21,7 +21,7 @@ SpanList = list[tuple[int, np.ndarray]]
 def rank_spans(blocks: list[Block], *, seed: int, epoch: int, rank: int, world: int) -> SpanList:
     """This rank's samples for an epoch, in order, as (block index, row indices within the block) spans."""
     # Files are permuted, then each file's blocks, then each block's rows: a rank reads whole files in
-    # turn (so a cache stage holding its first files holds its first steps), and the mix changes
+    # turn (so a cache warm-up phase holding its first files holds its first steps), and the mix changes
     # every epoch.
     files: dict[str, list[int]] = {}
     for i, b in enumerate(blocks):

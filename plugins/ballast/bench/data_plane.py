@@ -9,8 +9,8 @@
   each file evicted from the page cache first (posix_fadvise DONTNEED). Target: packed >= 2x.
 * `warmup`: MB/s of the staged cache warm-up from an S3 server on loopback (moto_server, its own
   process) against plain concurrent boto3 `download_file` calls of the same objects (the ceiling),
-  and the time until stage 1 is ready against the time for all stages.
-  Targets: >= 0.8x the ceiling; stage 1 ready within 25% of the full time.
+  and the time until warm-up phase 1 is ready against the time for all phases.
+  Targets: >= 0.8x the ceiling; phase 1 ready within 25% of the full time.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ from ballast.spec.validation import RuleSpec, ValidationSpec
 
 def overridable_field(path: str) -> tuple[Any, str]:
     """(owning model class, field name) of a dotted spec path; ValueError if it cannot be a parameter."""
-    from ballast.spec.overrides import overridable_field as resolve
+    from ballast.spec.overrides import resolve_field
 
-    return resolve(path, Spec)
+    return resolve_field(path, Spec)
 
 
 __all__ = [

@@ -57,7 +57,7 @@ class CacheSpec(Section):
     concurrency: int = Field(4, ge=1, le=64)
     """Parallel downloads."""
     wait_seconds: float = Field(3600.0, gt=0)
-    """How long training waits for a shard that a later cache stage has not brought yet."""
+    """How long training waits for a shard that a later warm-up phase (cache.stages) has not brought yet."""
 
     @field_validator("stages")
     @classmethod

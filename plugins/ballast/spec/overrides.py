@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from ballast.errors import SpecError
 
 
-def overridable_field(path: str, root: type[BaseModel]) -> tuple[type[BaseModel], str]:
+def resolve_field(path: str, root: type[BaseModel]) -> tuple[type[BaseModel], str]:
     """Resolve a dotted path to (owning model class, field name); only scalar fields qualify."""
     model: type[BaseModel] = root
     parts = path.split(".")

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from ballast.spec.conversion import NAME_PATTERN, CacheSpec, ConversionSpec
 from ballast.spec.dataset import DatasetSpec
 from ballast.spec.deployment import ExecutionSpec, ScheduleSpec, StorageSpec
-from ballast.spec.overrides import overridable_field
+from ballast.spec.overrides import resolve_field
 from ballast.spec.training import EvaluationSpec, RecoverySpec, TrainingSpec
 from ballast.spec.validation import ValidationSpec
 from training.config.sections import Section
@@ -64,7 +64,7 @@ class Spec(Section):
                              f" ({', '.join(self.conversion.formats)}); add it there or pick one of those")
         leaves: dict[str, str] = {}
         for path in self.overridable:
-            overridable_field(path, Spec)  # raises ValueError naming the path
+            resolve_field(path, Spec)  # raises ValueError naming the path
             leaf = path.rsplit(".", 1)[-1]
             if leaf in leaves:
                 raise ValueError(f"overridable: {path!r} and {leaves[leaf]!r} would both be parameter {leaf!r}")

@@ -13,19 +13,24 @@ from pydantic import Field, model_validator
 from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
                                       EarlyStopSettings, LoaderSettings, ModelSettings, MonitorSettings,
                                       NumericsSettings, OptimSettings, RecoverySettings, RehearsalSettings,
-                                      ResourceSettings, RunSettings)
+                                      ResourceSettings, RunSettings, Section)
 
 _MAX_LEARNING_RATE = OptimSettings.model_fields["learning_rate"].metadata
 
 
-# pydantic lists inherited fields base by base, last base first: the order here puts model and batch
-# first in the JSON Schema and in "allowed here" messages.
-class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, NumericsSettings, OptimSettings,
-                   RunSettings, BatchSettings, ModelSettings):
+class PlacementSpec(Section):
+    """Where the processes run: the orchestrator's alone (the trainer reads its world from torchrun)."""
+
     nodes: int = Field(1, ge=1, le=4096)
     """Machines (pods) taking part."""
     processes_per_node: int = Field(2, ge=1, le=64)
     """Training processes per machine (one per GPU on GPU machines)."""
+
+
+# pydantic lists inherited fields base by base, last base first: the order here keeps the model, the
+# placement and the batch first in the JSON Schema and in "allowed here" messages, as they always were.
+class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, NumericsSettings, OptimSettings,
+                   RunSettings, BatchSettings, PlacementSpec, ModelSettings):
     data_format: DataFormat | None = None
     """Which converted format training reads; default the first of conversion.formats."""
     lr_reference_batch_size: int | None = Field(None, ge=1)
@@ -43,8 +48,17 @@ class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, Numeri
         return self.nodes * self.processes_per_node
 
     @property
+    def per_process_batch(self) -> int:
+        """Samples each process contributes to an optimizer step (global batch / world size)."""
+        return self.global_batch_size // self.world_size
+
+    def grad_accum_for(self, micro_batch_size: int) -> int:
+        """Micro-batches per optimizer step that keep the global batch at `micro_batch_size`."""
+        return self.per_process_batch // micro_batch_size
+
+    @property
     def grad_accum_steps(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+        return self.grad_accum_for(self.micro_batch_size)
 
     @property
     def effective_learning_rate(self) -> float:
