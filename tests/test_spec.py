@@ -47,6 +47,10 @@ BAD = [
      r"training\.global_batch_size: must be a multiple of micro_batch_size x processes_per_node x nodes"
      r" = 32 x 2 x 1 = 64 \(got 100\)"),
     ("missing_dataset", lambda d: d.pop("dataset"), r"bad\.yaml: dataset: required field is missing"),
+    ("unknown_capitalised_key", lambda d: d["training"].update(Epochs=3),
+     r"bad\.yaml:\d+: training\.Epochs: unknown key 'Epochs'; allowed here: model, hidden_size"),
+    ("unknown_capitalised_section", lambda d: d.update(Training={}),
+     r"bad\.yaml:\d+: Training: unknown key 'Training'; allowed here: version, name"),
     ("unknown_model", lambda d: d["training"].update(model="resnet9000"),
      r"training\.model: unknown model 'resnet9000'; known: mlp, cnn, embed"),
     ("bad_precision", lambda d: d["training"].update(precision="fp64"),

@@ -24,17 +24,22 @@ def run(ctx: RunContext) -> PublishResult:
     version = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + safe_run_id(ctx.run_id)[-12:]
     prefix = f"models/{spec.name}/{version}"
     best = Path(ev.checkpoint)
+    from training import checkpoint as ckpt  # no torch: the checkpoint package imports it lazily
+
+    recorded = ckpt.recorded_model(best)
     test = ev.scores()
     training = TrainingOutcome(epochs=train.epochs, steps=train.steps, stopped_early=train.stopped_early)
     card = {
         "name": spec.name, "version": version, "dag_id": ctx.dag_id, "run_id": ctx.run_id,
-        "model": spec.training.model, "hidden_size": spec.training.hidden_size,
-        "input": spec.dataset.features[0].model_dump(), "num_classes": spec.dataset.num_classes,
+        # What the checkpoint records about its model, not the spec (which may have been edited since).
+        "model": recorded["model"], "hidden_size": recorded.get("hidden_size"), "model_section": recorded,
+        "input": spec.dataset.features[0].model_dump(), "num_classes": recorded["num_classes"],
         "test": test.model_dump(mode="json"),
         "dataset_id": conv.dataset_id, "checkpoint": str(best), "checkpoint_step": ver.best.step,
         "training": training.model_dump(mode="json"),
         "spec": spec.model_dump(mode="json"), "published": time.time(),
-        "load_with": "torch.load(path, weights_only=True) -> state_dict for training.models.build_model(...)",
+        "load_with": "torch.load(path, weights_only=True) -> state_dict for"
+                     " training.models.build_configured_model(ModelConfig(**card['model_section']))",
     }
     ctx.storage.upload(best / "model.pt", f"{prefix}/model.pt")
     ctx.storage.write_bytes(f"{prefix}/model_card.json", json.dumps(card, indent=2).encode())
