@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from ballast.spec import Spec
-from training.config import RunConfig
-from training.config.sections import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig,
-                                      EarlyStopSettings, ExecutionSettings, ModelConfig, NumericsSettings,
-                                      OptimSettings, RecoverySettings, ResourceSettings)
+from training.config.run import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig, ModelConfig,
+                                 RunConfig)
+from training.config.sections import (EarlyStopSettings, ExecutionSettings, NumericsSettings, OptimSettings,
+                                      RecoverySettings, ResourceSettings)
 
 S = TypeVar("S", bound=BaseModel)
 

@@ -19,7 +19,7 @@ from training.checkpoint.fileio import load_tensors
 from training.checkpoint.saver import AsyncSaver
 from training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
 from training.checkpoint.snapshot import Snapshot
-from training.config.sections import CheckpointConfig, ModelConfig
+from training.config.run import CheckpointConfig, ModelConfig
 from training.failure import CheckpointFailure
 from training.state import TrainState
 

@@ -13,13 +13,65 @@ from typing import Any, Literal, Mapping
 from pydantic import ValidationError
 
 from training.config.messages import describe, one_line
-from training.config.sections import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig,
-                                      EarlyStopSettings, ExecutionSettings, ModelConfig, MonitorSettings,
-                                      NumericsSettings, OptimSettings, RecoverySettings, RehearsalSettings,
-                                      ResourceSettings, RunSettings)
+from pydantic import Field
+
+from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
+                                      EarlyStopSettings, ExecutionSettings, LoaderSettings, ModelSettings,
+                                      MonitorSettings, NumClasses, NumericsSettings, OptimSettings, PositiveInt,
+                                      RecoverySettings, RehearsalSettings, ResourceSettings, RunSettings)
 from training.failure import ConfigFailure
 
 RUN_CONFIG_VERSION = 1
+
+# --- the run config's own sections: a spec's settings plus what the orchestrator decided for this try --
+
+
+class ModelConfig(ModelSettings):
+    """The architecture and the shapes it is built for; checkpoints record this section."""
+
+    input_shape: tuple[PositiveInt, ...] = Field(min_length=1)
+    """Shape of one input sample: the feature's shape, [1] for a scalar."""
+    num_classes: NumClasses
+    """Number of classes the model predicts."""
+
+
+class BatchConfig(BatchSettings):
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step on each process:
+    global_batch_size / (micro_batch_size x world size)."""
+
+    @property
+    def per_process(self) -> int:
+        """Samples one process contributes to an optimizer step."""
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+class DistributedConfig(DistributedSettings):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto: NCCL where CUDA is available, gloo otherwise."""
+    timeout_seconds: float = Field(600.0, gt=0)
+    """Timeout of the process group's collectives."""
+
+
+class DataConfig(LoaderSettings):
+    directory: str = Field(min_length=1)
+    """Cache directory holding the dataset's manifest.json and the shards it lists."""
+    format: DataFormat
+    """Which packed format to read."""
+    feature: str
+    """Name of the feature column."""
+    label: str
+    """Name of the label column."""
+    wait_seconds: float = Field(0.0, ge=0.0)
+    """How long to wait for a shard that a staged cache warm-up is still bringing."""
+
+
+class CheckpointConfig(CheckpointSettings):
+    directory: str = Field(min_length=1)
+    """Where this run's checkpoints are committed (shared by every try)."""
+
+
+# --- the run config --------------------------------------------------------------------------------
 
 
 class RunConfig(RunSettings):

@@ -1,22 +1,22 @@
 """The sections of a training run's settings, each defined once.
 
-Two kinds of class live here:
-- *Settings* sections hold what a person writes in a spec. The spec's `training`, `evaluation`,
-  `recovery` and `execution` sections are built from them (by inheritance for flat fields such as
-  `training.learning_rate`, as sub-models for nested ones such as `training.checkpoint.every_steps`), so
-  every default, bound, docstring and check exists here and nowhere else.
-- *Config* sections extend a Settings section with what the orchestrator fills in for one try (paths,
-  the cache's data format, the adapted micro-batch): the sections of `RunConfig`.
+*Settings* sections hold what a person writes in a spec. The spec's `training`, `evaluation`,
+`recovery` and `execution` sections are built from them (by inheritance for flat fields such as
+`training.learning_rate`, as sub-models for nested ones such as `training.checkpoint.every_steps`), so
+every default, bound, docstring and check exists here and nowhere else. The run config's own sections
+(`training.config.run`: *Config* classes) extend them with what the orchestrator fills in for one try
+(paths, the cache's format, the adapted micro-batch); they are not built at DAG-parse time.
 
 pydantic only: no torch, no Airflow, no `ballast`. The spec imports this module at DAG-parse time.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from training.config import docstrings
 from training.models import MODEL_NAMES, OPTIMIZER_NAMES
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -28,7 +28,14 @@ FaultKind = Literal["crash", "oom", "nan", "spike", "hang", "sigterm", "error", 
 class Section(BaseModel):
     """Frozen, unknown keys refused, the docstring under each field is its description."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # The validator is built at first use (not at import: the spec builds only what it validates), and
+    # the descriptions come from training.config.docstrings, a cheaper reader than pydantic's own.
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        docstrings.apply(cls)
 
 
 # --- model -------------------------------------------------------------------------------------------
@@ -56,13 +63,6 @@ class ModelSettings(Section):
         return _registered("model", MODEL_NAMES, v)
 
 
-class ModelConfig(ModelSettings):
-    """The architecture and the shapes it is built for; checkpoints record this section."""
-
-    input_shape: tuple[PositiveInt, ...] = Field(min_length=1)
-    """Shape of one input sample: the feature's shape, [1] for a scalar."""
-    num_classes: NumClasses
-    """Number of classes the model predicts."""
 
 
 # --- batch -------------------------------------------------------------------------------------------
@@ -75,15 +75,6 @@ class BatchSettings(Section):
     """Samples per optimizer step over all processes; kept fixed when the micro-batch changes."""
 
 
-class BatchConfig(BatchSettings):
-    grad_accum_steps: int = Field(1, ge=1)
-    """Micro-batches accumulated per optimizer step on each process:
-    global_batch_size / (micro_batch_size x world size)."""
-
-    @property
-    def per_process(self) -> int:
-        """Samples one process contributes to an optimizer step."""
-        return self.micro_batch_size * self.grad_accum_steps
 
 
 # --- optimisation ------------------------------------------------------------------------------------
@@ -147,11 +138,6 @@ class DistributedSettings(Section):
         return self
 
 
-class DistributedConfig(DistributedSettings):
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process-group backend; auto: NCCL where CUDA is available, gloo otherwise."""
-    timeout_seconds: float = Field(600.0, gt=0)
-    """Timeout of the process group's collectives."""
 
 
 class ResourceSettings(Section):
@@ -178,17 +164,6 @@ class LoaderSettings(Section):
         return 2 if v is None else v  # specs written when the default was `null` (= 2 per process)
 
 
-class DataConfig(LoaderSettings):
-    directory: str = Field(min_length=1)
-    """Cache directory holding the dataset's manifest.json and the shards it lists."""
-    format: DataFormat
-    """Which packed format to read."""
-    feature: str
-    """Name of the feature column."""
-    label: str
-    """Name of the label column."""
-    wait_seconds: float = Field(0.0, ge=0.0)
-    """How long to wait for a shard that a staged cache warm-up is still bringing."""
 
 
 # --- checkpoints, monitors, early stopping -----------------------------------------------------------
@@ -211,9 +186,6 @@ class CheckpointSettings(Section):
     """On resume, start from the mean weights of the last N checkpoints (seed documents: 3); 0 = off."""
 
 
-class CheckpointConfig(CheckpointSettings):
-    directory: str = Field(min_length=1)
-    """Where this run's checkpoints are committed (shared by every try)."""
 
 
 class MonitorSettings(Section):

@@ -24,7 +24,7 @@ def load_model(path: Path) -> tuple[Any, dict[str, Any]]:
     from pydantic import ValidationError
 
     from training import checkpoint as ckpt
-    from training.config.sections import ModelConfig
+    from training.config.run import ModelConfig
     from training.models import build_configured_model
 
     recorded = ckpt.recorded_model(path)
