@@ -360,14 +360,14 @@ def test_training_is_ended_when_the_background_warm_up_fails(tmp_path):
     import sys
     import time
 
-    from ballast.stages.train import _supervise
+    from ballast.supervise import supervise
 
     class Ctx:
         log = logging.getLogger("test")
 
     failed_at = time.monotonic() + 1.0
     t0 = time.monotonic()
-    rc, hung = _supervise([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, Ctx(), hang_timeout=600,
+    rc, hung = supervise([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, Ctx(), hang_timeout=600,
                           abort=lambda: DataError("damaged shard") if time.monotonic() > failed_at else None)
     assert not hung and rc != 0 and time.monotonic() - t0 < 20
 

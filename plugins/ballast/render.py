@@ -106,7 +106,7 @@ class StageOperator(BaseOperator):
 
     def on_kill(self) -> None:
         # The task is being stopped (marked failed, timed out): take any training processes down with it.
-        from ballast.stages.train import stop_running
+        from ballast.supervise import stop_running
 
         stop_running()
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import threading
-import time
 from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import LaunchError, training_error
 from ballast.launch_spec import adapt_micro_batch, run_config, torchrun_argv
 from ballast.records import BestValidation, TrainResult
+from ballast.supervise import supervise
 
 
 def run(ctx: RunContext) -> TrainResult:
@@ -59,7 +57,7 @@ def run(ctx: RunContext) -> TrainResult:
     # catches what it cannot see, such as a group stuck in rendezvous before the first step.
     warmer = _Warmer(ctx) if cache.pending_phases else None
     try:
-        rc, hung = _supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60,
+        rc, hung = supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60,
                               abort=(lambda: warmer.error) if warmer else None)
     finally:
         if warmer:
@@ -113,15 +111,6 @@ def upload_checkpoints(ctx: RunContext, ckpt_dir: Path) -> list[str]:
     return done
 
 
-_RUNNING: set[subprocess.Popen] = set()
-
-
-def stop_running() -> None:
-    """End every torchrun this process started (called from the operator's on_kill)."""
-    for proc in list(_RUNNING):
-        _kill_group(proc)
-
-
 class _Warmer(threading.Thread):
     """The cache's later warm-up phases, warmed beside training on this node; `error` once it failed."""
 
@@ -138,55 +127,3 @@ class _Warmer(threading.Thread):
         except BaseException as exc:  # noqa: BLE001  (reported by the train task)
             self.ctx.log.error("warming the rest of the cache failed: %s", exc)
             self.error = exc
-
-
-def _supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: float,
-               abort=None) -> tuple[int, bool]:
-    """Run torchrun in its own process group, relaying its output; end it if the heartbeat stalls,
-    or when `abort()` returns something (the background cache warm-up failed)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
-    _RUNNING.add(proc)
-
-    def relay() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            ctx.log.info("%s", line.rstrip())
-
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    heartbeat = out_dir / "heartbeat"
-    started = time.time()
-    hung = False
-    try:
-        while proc.poll() is None:
-            time.sleep(1.0)
-            last = max(started, heartbeat.stat().st_mtime if heartbeat.exists() else 0.0)
-            if time.time() - last > hang_timeout:
-                hung = True
-                ctx.log.error("no training progress for %.0fs; ending the process group", hang_timeout)
-                _kill_group(proc)
-                break
-            if abort is not None and abort() is not None:
-                ctx.log.error("the cache warm-up failed; ending training")
-                _kill_group(proc)
-                break
-    except BaseException:
-        _kill_group(proc)  # the task itself is being stopped: take the trainers down with it
-        raise
-    finally:
-        _RUNNING.discard(proc)
-    rc = proc.wait()
-    reader.join(timeout=5)
-    return rc, hung
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)  # SIGTERM first: trainers checkpoint on it
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
