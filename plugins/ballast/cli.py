@@ -1,4 +1,4 @@
-"""`ballast` command line: lint and schema for spec authors, demo data, the local demo, benchmarks."""
+"""`ballast` command line: lint and schema for spec authors, demo data, the local demo, benchmarks, planning."""
 
 from __future__ import annotations
 
@@ -78,6 +78,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ballast.planner import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ballast", description="Declarative training pipelines on Airflow 3.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -115,6 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeat", type=int, default=3, help="parse: timed repetitions (median reported)")
     s.add_argument("--json", help="write the result JSON here")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("plan", help="predict failures, goodput and the best checkpoint interval at N GPUs")
+    s.add_argument("spec", help="spec file")
+    s.add_argument("--gpus", type=int, required=True, help="GPUs the job would run on")
+    s.add_argument("--mttf-hours", type=float, help="job MTTF at --gpus (default: the Meta RSC power law)")
+    s.add_argument("--mttf-reference", action="append", default=[], metavar="HOURS@GPUS",
+                   help="measured MTTF points to fit the power law through (repeatable)")
+    s.add_argument("--save-seconds", type=float, help="training time one checkpoint save blocks")
+    s.add_argument("--restart-seconds", type=float, help="detection + relaunch + load + first step")
+    s.add_argument("--from-run", help="measured costs: a run report JSON (or its run directory)")
+    s.add_argument("--step-seconds", type=float, help="seconds per optimizer step, to count checkpoint.every_steps")
+    s.add_argument("--hours", type=float, default=24.0, help="run length for the retry-exhaustion odds (default 24)")
+    s.add_argument("--json", help="write the figures here")
+    s.set_defaults(fn=cmd_plan)
     return p
 
 

@@ -1,0 +1,143 @@
+"""The scale planner (`ballast plan`): the failure model, Young/Daly intervals, Daly's goodput model, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ballast import planner
+from ballast.cli import main
+from ballast.planner import FailureModel, PlanError, closed_forms, optimal_interval, predict_ratio
+
+pytestmark = pytest.mark.unit
+
+SPEC = str(Path(__file__).resolve().parents[1] / "dags" / "specs" / "digits.yaml")
+
+
+def test_power_law_hits_both_published_points():
+    model = FailureModel()
+    assert model.mttf_hours(1024) == pytest.approx(7.9, rel=1e-12)
+    assert model.mttf_hours(16384) == pytest.approx(1.8, rel=1e-12)
+    assert model.alpha == pytest.approx(math.log(7.9 / 1.8) / math.log(16))
+    assert model.mttf_hours(4096) < model.mttf_hours(1024)
+
+
+def test_fit_through_references_recovers_the_default_and_one_point_keeps_the_exponent():
+    fitted = FailureModel.fit([(7.9, 1024), (1.8, 16384)])
+    assert fitted.mttf_hours(2048) == pytest.approx(FailureModel().mttf_hours(2048), rel=1e-9)
+    one = FailureModel.fit([(10.0, 512)])
+    assert one.mttf_hours(512) == 10.0 and one.alpha == planner.ALPHA
+
+
+@pytest.mark.parametrize("save, mttf", [(1.0, 7.9 * 3600), (10.0, 1.8 * 3600), (30.0, 24 * 3600)])
+def test_numeric_optimum_matches_the_closed_forms_where_saves_are_cheap(save, mttf):
+    best = optimal_interval(mttf, save)
+    closed = closed_forms(save, mttf)
+    assert best == pytest.approx(closed["daly_higher_order"], rel=0.05)
+    assert best == pytest.approx(closed["daly_first_order"], rel=0.05)
+    assert best == pytest.approx(math.sqrt(2 * save * mttf), rel=0.05)  # Young
+
+
+@pytest.mark.parametrize("mttf, save, restart", [(3600, 5, 60), (600, 60, 120), (7.9 * 3600, 1, 60), (100, 150, 10)])
+def test_numeric_optimum_beats_half_and_double_the_interval(mttf, save, restart):
+    best = optimal_interval(mttf, save)
+    ratio = predict_ratio(mttf, best, save, restart)
+    for other in (best / 2, best * 2, best * 0.9, best * 1.1):
+        assert ratio >= predict_ratio(mttf, other, save, restart)
+
+
+def test_ratio_falls_with_mttf_and_with_restart_cost():
+    ratios = [predict_ratio(hours * 3600, 600, 2, 60) for hours in (24, 8, 2, 0.5)]
+    assert ratios == sorted(ratios, reverse=True) and 0 < ratios[-1] < ratios[0] < 1
+    assert predict_ratio(3600, 600, 2, 300) < predict_ratio(3600, 600, 2, 30)
+    assert predict_ratio(60, 1e6, 1, 1) == 0.0  # overflow is no goodput, not an error
+
+
+def test_ratio_matches_a_simulated_run():
+    """Daly's model, simulated: work tau then save C; a failure (exponential, mean M) loses the segment and
+    costs a restart R (which a failure can interrupt too)."""
+    rng, (m, tau, c, r), segments, wall = random.Random(0), (1000.0, 300.0, 20.0, 90.0), 20_000, 0.0
+    for _ in range(segments):
+        while (t := rng.expovariate(1 / m)) < tau + c:
+            wall += t
+            while (t := rng.expovariate(1 / m)) < r:
+                wall += t
+            wall += r
+        wall += tau + c
+    assert segments * tau / wall == pytest.approx(predict_ratio(m, tau, c, r), rel=0.02)
+
+
+def test_retry_ceiling_and_poisson_odds():
+    from ballast.spec import RecoverySpec
+
+    # Random failures end as unknown (1), hardware (2), communication (2) or hang (2): 7 retries.
+    assert planner.retry_ceiling(RecoverySpec()) == 7
+    assert planner.retry_ceiling(RecoverySpec(max_restarts=1)) == 15  # 8 tries x 2 groups each, less one
+    assert planner.retry_ceiling(RecoverySpec(retries=2)) == 2  # the task's ceiling caps the budgets
+    assert planner.retry_ceiling(RecoverySpec.model_validate({"policy": {"unknown": 4, "hardware": 0}})) == 8
+    mean = 3.0
+    assert planner.p_more_than(mean, 2) == pytest.approx(1 - math.exp(-mean) * (1 + mean + mean**2 / 2))
+    assert planner.p_more_than(0.0, 0) == 0.0
+
+
+def test_measured_costs_reads_a_report_or_its_directory(tmp_path):
+    (tmp_path / "report.json").write_text(json.dumps({"save_blocked_seconds": 0.4, "restart_seconds": 42}))
+    for where in (tmp_path, tmp_path / "report.json"):
+        costs = planner.measured_costs(where)
+        assert (costs.save_seconds, costs.restart_seconds) == (0.4, 42.0) and "measured" in costs.save_source
+    (tmp_path / "bad.json").write_text(json.dumps({"save_blocked_seconds": 1}))
+    with pytest.raises(PlanError, match="--from-run: .*restart_seconds"):
+        planner.measured_costs(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("gpus, mttf", [(1024, 7.9), (16384, 1.8)])
+def test_cli_prints_the_figures_and_writes_json(gpus, mttf, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", SPEC, "--gpus", str(gpus), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"MTTF {mttf:g} h at {gpus:,} GPUs" in text and "(assumed)" in text and "WARNING" in text
+    figures = json.loads(out.read_text())
+    assert figures["mttf_hours"] == pytest.approx(mttf)
+    assert figures["failures_per_day"] == pytest.approx(24 / mttf)
+    assert figures["retry_ceiling"] == 7  # digits: budgets unknown 1 + hardware 2 + communication 2 + hang 2
+    assert figures["spec_interval_seconds"] == 3600.0
+    assert figures["optimal_ratio"] > figures["spec_ratio"]
+    expected = planner.p_more_than(24 / mttf, 7)
+    assert figures["p_exhaust_retries"] == pytest.approx(expected) and figures["warn"] is (expected > 0.01)
+
+
+def test_cli_flags_and_measured_run_set_the_costs(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"save_blocked_seconds": 0.5, "restart_seconds": 45}))
+    out = tmp_path / "plan.json"
+    argv = ["plan", SPEC, "--gpus", "8", "--mttf-hours", "100", "--from-run", str(report), "--restart-seconds",
+            "30", "--step-seconds", "0.5", "--hours", "2", "--json", str(out)]
+    assert main(argv) == 0
+    figures = json.loads(out.read_text())
+    assert (figures["save_seconds"], figures["restart_seconds"]) == (0.5, 30.0)
+    assert figures["restart_source"] == "flag" and "measured" in figures["save_source"]
+    assert figures["spec_interval_seconds"] == 20.0  # every_steps 40 x 0.5 s
+    assert figures["warn"] is False and "WARNING" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--gpus", "0"], "--gpus"),
+    (["--gpus", "8", "--save-seconds", "-1"], "--save-seconds"),
+    (["--gpus", "8", "--restart-seconds", "nan"], "--restart-seconds"),
+    (["--gpus", "8", "--mttf-hours", "0"], "--mttf-hours"),
+    (["--gpus", "8", "--mttf-reference", "7.9"], "--mttf-reference"),
+    (["--gpus", "8", "--mttf-reference", "x@1024"], "--mttf-reference"),
+    (["--gpus", "8", "--mttf-reference", "7.9@-2"], "--mttf-reference"),
+    (["--gpus", "8", "--mttf-hours", "3", "--mttf-reference", "7.9@1024"], "--mttf-hours"),
+    (["--gpus", "8", "--from-run", "/nonexistent/report.json"], "--from-run"),
+])
+def test_cli_bad_flags_give_one_line_and_exit_2(flags, named, capsys):
+    assert main(["plan", SPEC, *flags]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ballast plan: {named}") and captured.out == ""
