@@ -21,7 +21,7 @@ def test_plan_orders_stages_and_sets_retries():
     assert {s.name: s.upstream for s in plan.stages} == UPSTREAM
     retries = {s.name: s.retries for s in plan.stages}
     assert retries["validate"] == 0  # bad data is not fixed by retrying
-    assert retries["train"] == 2
+    assert retries["train"] == 16  # the sum of the example's per-class budgets (recovery.policy)
     assert plan.cron == "0 3 * * 1" and plan.asset is None
     assert plan.tags == ("ballast", "example", "vision")
 
@@ -52,7 +52,9 @@ def test_dagbag_has_no_import_errors_and_stages_in_order():
     }
     assert dag.tags == {"ballast", "example", "vision"} or set(dag.tags) == {"ballast", "example", "vision"}
     assert dag.owner == "data-team"
-    assert dag.default_args["retries"] == 2
+    assert dag.default_args["retries"] == 16
+    assert dag.task_dict["train"].retry_policy.serialize()["stage"] == "train"
+    assert dag.task_dict["validate"].retry_policy is None
     assert dag.task_dict["validate"].retries == 0
     assert dag.params["epochs"] == 30
     assert dag.max_active_runs == 1

@@ -27,7 +27,10 @@ def test_example_spec_parses_into_frozen_model():
 @pytest.mark.unit
 def test_defaults_come_from_the_seed_documents():
     spec = parse_spec({**example_data(), "recovery": {}, "evaluation": {"metric": "accuracy"}})
-    assert spec.recovery.retries == 3
+    assert spec.recovery.of("oom").retries == 3  # out-of-memory retried at most 3 times
+    assert spec.recovery.of("preempted").retries == 5 and spec.recovery.of("preempted").delay(1, 30) == 0
+    assert spec.recovery.of("data").retries == 0 and spec.recovery.of("config").retries == 0
+    assert spec.recovery.ceiling == 3 + 5 + 2 + 2 + 2 + 1 + 1  # the task's retries: what the budgets imply
     assert spec.evaluation.patience == 3
     assert spec.training.checkpoint.every_seconds == 3600
     assert spec.training.grad_clip_norm == 1.0

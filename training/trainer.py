@@ -54,6 +54,7 @@ class Trainer:
         self.train_seconds = 0.0      # time inside the step loop (no evaluation, no end-of-epoch save)
         self.samples = 0
         self._resumed_at: float | None = None
+        self._first_step = True  # this process's first step: the orchestrator times a restart to it
         self._started = time.monotonic()
         self.limit_reached = False
         self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.execution.metrics_port)
@@ -280,6 +281,9 @@ class Trainer:
         self.metrics.set(step=step, loss=loss, grad_norm=gnorm, loss_scale=self.scaler.get_scale(),
                          learning_rate=self.opt.param_groups[0]["lr"],
                          samples_per_second=self.cfg.batch.per_process * self.dist.world / max(t3 - t0, 1e-9))
+        if self._first_step:
+            self._first_step = False
+            self.metrics.event("first_step", step)
         if self._resumed_at is not None:
             self.metrics.event("first_step_after_resume", step, seconds=time.monotonic() - self._resumed_at)
             self._resumed_at = None

@@ -7,7 +7,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from pydantic import ValidationError
 
@@ -32,6 +32,10 @@ class RunContext:
     run_id: str
     try_number: int = 1
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("ballast"))
+    task_id: str = ""
+    """The Airflow task running the stage (its attempt history's name)."""
+    state: Any = None
+    """Airflow's task_state_store of the task (survives its retries); None outside Airflow."""
     _storage: Storage | None = None
 
     @property

@@ -6,13 +6,14 @@ Every message names the file, the field (or object) and what would fix it, so th
 
 The training package (`training/`, which never imports Ballast) has its own family: every
 `training.failure.TrainingFailure` carries a failure class. A stage does not catch those: the runner
-translates whatever reaches it once, by class (`from_training`), and asks `retry_helps` whether the
-task fails at once or goes back to Airflow's retries.
+translates whatever reaches it once, by class (`from_training`). `failure_class` names the class of
+any error that ends a task; the spec's recovery policy (`recovery.policy`, applied by
+`ballast.recovery.policy`) decides from it whether the task fails at once or tries again.
 """
 
 from __future__ import annotations
 
-from training.failure import RETRYABLE, TrainingFailure
+from training.failure import TrainingFailure
 
 
 class BallastError(Exception):
@@ -60,14 +61,6 @@ class QualityGateError(BallastError):
 # Failure class (training.failure) -> the Ballast error it becomes; every other class is a LaunchError.
 _BY_CLASS: dict[str, type[BallastError]] = {"config": ConfigError, "data": DataError}
 
-# Errors no retry can fix: the same spec, data, checkpoint files or model come back on the next try.
-FAIL_FAST: tuple[type[BallastError], ...] = (SpecError, DataError, CheckpointError, QualityGateError)
-
-# Launch failures a retry may get past: the training package's retryable classes, and `unknown`
-# (torchrun died without a failure record: killed from outside, the node lost).
-RETRY_CLASSES: frozenset[str] = RETRYABLE | {"unknown"}
-
-
 def training_error(message: str, failure_class: str) -> BallastError:
     """The Ballast error for a training failure of class `failure_class` (from an exception or a
     failure record), its message on one line (a task log line, not a traceback)."""
@@ -81,8 +74,31 @@ def from_training(exc: TrainingFailure) -> BallastError:
     return training_error(str(exc) or type(exc).__name__, exc.failure_class)
 
 
-def retry_helps(exc: BallastError) -> bool:
-    """Whether Airflow's retries may get past `exc`; the runner fails the task at once when not."""
+def failure_class(exc: BaseException) -> str:
+    """The failure class of an error that ended a task (the recovery policy's key, `recovery.policy`)."""
     if isinstance(exc, LaunchError):
-        return exc.failure_class in RETRY_CLASSES
-    return not isinstance(exc, FAIL_FAST)
+        return exc.failure_class
+    if isinstance(exc, SpecError):
+        return "config"
+    if isinstance(exc, (DataError, CheckpointError)):
+        return "data"
+    if isinstance(exc, StorageError):
+        return "communication"
+    if isinstance(exc, TrainingFailure):
+        return exc.failure_class
+    if type(exc).__name__ == "AirflowTaskTimeout":
+        return "hang"
+    return "unknown"
+
+
+def retry_helps(exc: BaseException, recovery=None) -> bool:
+    """Whether a new try may get past `exc` under `recovery` (a RecoverySpec; default the defaults):
+    its class has a retry budget. A model below the publish threshold never does: a retry trains
+    nothing new."""
+    if isinstance(exc, QualityGateError):
+        return False
+    if recovery is None:
+        from ballast.spec.recovery import RecoverySpec  # not at import: the spec package imports this one
+
+        recovery = RecoverySpec()
+    return recovery.of(failure_class(exc)).retries > 0

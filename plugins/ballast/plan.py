@@ -88,7 +88,7 @@ def build_plan(spec: Spec, *, spec_file: str) -> Plan:
         stages.append(StagePlan(
             name=name,
             upstream=UPSTREAM[name],
-            retries=0 if name in NO_RETRY else spec.recovery.retries,
+            retries=0 if name in NO_RETRY else spec.recovery.ceiling,
             doc=_DOCS[name],
         ))
     tags = tuple(dict.fromkeys(("ballast", *spec.tags)))
@@ -103,7 +103,7 @@ def build_plan(spec: Spec, *, spec_file: str) -> Plan:
         asset=spec.schedule.asset,
         start_date=spec.schedule.start_date,
         catchup=spec.schedule.catchup,
-        retries=spec.recovery.retries,
+        retries=spec.recovery.ceiling,
         retry_delay_seconds=spec.recovery.retry_delay_seconds,
         stages=tuple(stages),
         params=tuple(_param(spec, path) for path in spec.overridable),

@@ -15,6 +15,7 @@ from airflow.sdk import DAG, Asset, BaseOperator, Param
 
 from ballast.errors import SpecError
 from ballast.plan import Plan, build_plan
+from ballast.recovery.policy import StageRetryPolicy
 from ballast.spec import load_spec
 
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -79,6 +80,7 @@ def render(plan: Plan) -> DAG:
                 spec_data=plan.spec_data,
                 spec_file=plan.spec_file,
                 retries=stage.retries,
+                retry_policy=StageRetryPolicy(plan.spec_data["recovery"], stage.name) if stage.retries else None,
                 doc_md=stage.doc,
             )
             for up in stage.upstream:

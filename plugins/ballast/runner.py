@@ -2,9 +2,10 @@
 
 A failure of the training package that reaches here (`TrainingFailure`, a damaged checkpoint's
 included) is translated once into the BallastError family (`ballast.errors.from_training`). Errors of
-that family are logged as one line; those that a retry cannot fix (`ballast.errors.retry_helps`: bad
-spec, bad data or checkpoint, a model below the publish threshold, a training failure classed as
-non-retryable) fail the task without retrying; the others are re-raised for Airflow's retries.
+that family are logged as one line; those whose failure class has no retry budget in the spec's
+recovery policy (`ballast.errors.retry_helps`: bad spec, data or checkpoint, a bug, a model below the
+publish threshold by default) fail the task without retrying; the others go back to Airflow, whose
+retry policy (`ballast.recovery.policy`) decides per class.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ def effective_spec_record(base_data: dict, spec: Any, *, spec_file: str, given: 
 def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str, Any]) -> dict[str, Any]:
     if stage not in STAGES:
         raise SpecError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    spec = None
     try:
         given = dict(getattr(context.get("dag_run"), "conf", None) or {})
         spec = effective_spec(spec_data, spec_file, context.get("params"), given=given)
         ti = context.get("ti")
         ctx = RunContext(spec=spec, dag_id=context["dag"].dag_id, run_id=context["run_id"],
-                         try_number=getattr(ti, "try_number", 1) or 1, log=logging.getLogger(f"ballast.{stage}"))
+                         try_number=getattr(ti, "try_number", 1) or 1, log=logging.getLogger(f"ballast.{stage}"),
+                         task_id=getattr(ti, "task_id", None) or stage, state=context.get("task_state_store"))
         if stage == STAGES[0]:
             effective = effective_spec_record(spec_data, spec, spec_file=spec_file, given=given)
             ctx.storage.write_bytes(f"{ctx.run_key}/spec.json", effective.model_dump_json(indent=2).encode())
@@ -67,7 +70,7 @@ def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str,
         return record.model_dump(mode="json")  # XCom: the record's JSON form
     except BallastError as exc:
         log.error("%s failed: %s", stage, exc)
-        if not retry_helps(exc):
+        if not retry_helps(exc, spec.recovery if spec is not None else None):
             from airflow.sdk.exceptions import AirflowFailException
 
             raise AirflowFailException(f"{stage}: {exc}") from None

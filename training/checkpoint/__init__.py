@@ -9,6 +9,7 @@ and `ballast.storage` import this package in the orchestrator):
     saver     the background writer (`AsyncSaver`), at idle CPU priority where asked
     average   the mean of the last checkpoints' weights, and the export CLI (`python -m training.average`)
     snapshot  CPU copies of the state into buffers reused from save to save
+    gate      the verification gate (`check`), quarantine, the newest checkpoint that passes
     manager   what a training checkpoint holds: the trainer's `save(reason)` and `load()`
               (imported from `training.checkpoint.manager` by the trainer; not re-exported here)
 

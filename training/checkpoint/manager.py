@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from training.checkpoint.average import average
-from training.checkpoint.commit import TRAINER_STATE, committed, latest_valid, read_trainer_state, recorded_model
+from training.checkpoint.commit import TRAINER_STATE, committed, read_trainer_state, recorded_model
 from training.checkpoint.fileio import load_tensors
 from training.checkpoint.saver import AsyncSaver
 from training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
@@ -118,8 +118,11 @@ class CheckpointManager:
     # -- loading -----------------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
-        """The newest checkpoint that is committed and verifies."""
-        return latest_valid(self.root, log=self.log)
+        """The newest checkpoint that passes the verification gate (`training.checkpoint.gate.check`);
+        newer ones that fail are skipped here and quarantined by the orchestrator."""
+        from training.checkpoint.gate import latest_passing
+
+        return latest_passing(self.root, quarantine_failures=False, log=self.log)
 
     def load(self, path: Path | None = None) -> bool:
         """Restore everything from `path` (default: the latest valid checkpoint); False if there is none."""

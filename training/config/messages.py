@@ -49,6 +49,10 @@ def describe(err: dict[str, Any], root: type[BaseModel]) -> tuple[tuple, str, An
         msg, value = "required field is missing", NOVALUE
     elif kind in _BOUNDS:
         msg = f"must be {_BOUNDS[kind]} {next(iter(ctx.values()))}"
+    elif kind == "literal_error" and loc and loc[-1] == "[key]":  # a mapping's key, e.g. a failure class
+        loc = loc[:-1]
+        msg = f"unknown key {value!r}; must be one of {ctx.get('expected')}"
+        value = NOVALUE
     elif kind == "literal_error":
         msg = f"must be one of {ctx.get('expected')}"
     elif kind == "string_pattern_mismatch":

@@ -1,29 +1,13 @@
-"""What every pipeline stage records, and the run's report: one declared, versioned contract.
-
-A stage returns one of these records; the runner saves it as readable JSON at
-`runs/<dag>/<run>/stages/<stage>.json` (`RunContext.save_result`) and hands its JSON form to Airflow
-(XCom); a later stage reads it back typed (`RunContext.result`) and uses its fields. The report that
-publish writes (`runs/<dag>/<run>/report.json`) is a `RunReport`. Whoever else reads these files (the
-stability view, the attempt history) reads the same models.
-
-Every stage record and the report carry a `version` (its default is the version this code writes and
-reads). A change a reader of an older file would misread (a field renamed, removed or given another
-meaning) raises that record's version; adding an optional field does not.
-
-Importable without torch, pyarrow or Airflow: pydantic only (the DAG-parse budget).
-"""
+"""The stage records and the run's report (see the package docstring for the contract)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-
-class Record(BaseModel):
-    """Frozen, unknown keys refused, the docstring under each field is its description."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+from ballast.records.attempts import RecoverySummary
+from ballast.records.base import Record
 
 
 # --- validate ----------------------------------------------------------------------------------------
@@ -190,6 +174,9 @@ class VerifyResult(Record):
     """The last checkpoint."""
     best: CheckedCheckpoint
     """The best one (the last one when training recorded no best)."""
+    quarantined: list[str] = []
+    """Checkpoints that failed the gate and were moved to the quarantine directory (their place taken by
+    the newest one before them that passes)."""
 
 
 # --- evaluate ----------------------------------------------------------------------------------------
@@ -345,8 +332,3 @@ RECORDS: dict[str, type[Record]] = {
     "publish": PublishResult,
 }
 """Pipeline stage -> the record it returns (closed: every stage of `ballast.plan.STAGES` is here)."""
-
-
-def current_version(model: type[Record]) -> int:
-    """The version of `model` this code writes and reads (its `version` field's default)."""
-    return int(model.model_fields["version"].default)

@@ -1,8 +1,8 @@
 """The Ballast spec: one YAML file parsed once into a typed, frozen model.
 
 No Airflow, no I/O beyond reading the file, no heavy imports: this package runs at DAG-parse time.
-One module per section (`dataset`, `validation`, `conversion` with the cache, `training` with recovery
-and evaluation, `deployment` for schedule, storage and execution), the whole in `root`, run parameters
+One module per section (`dataset`, `validation`, `conversion` with the cache, `training` with evaluation,
+`recovery`, `deployment` for schedule, storage and execution), the whole in `root`, run parameters
 in `overrides`, one-line messages in `messages`, file reading in `loading`. Every setting a training
 process also reads is declared once, in `training.config.sections`, and composed here. Unknown keys
 are rejected; every problem is reported as ``FILE:LINE: field.path: what is wrong (got VALUE); fix``.
@@ -18,7 +18,8 @@ from ballast.spec.deployment import ExecutionSpec, KubernetesSpec, ScheduleSpec,
 from ballast.spec.loading import json_schema, load_spec, parse_spec
 from ballast.spec.overrides import apply_overrides, check_parameter_names, get_path, parameter_paths
 from ballast.spec.root import SPEC_VERSION, Spec
-from ballast.spec.training import EvaluationSpec, RecoverySpec, TrainingSpec
+from ballast.spec.recovery import RecoverySpec
+from ballast.spec.training import EvaluationSpec, TrainingSpec
 from ballast.spec.validation import RuleSpec, ValidationSpec
 
 

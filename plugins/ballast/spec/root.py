@@ -10,7 +10,8 @@ from ballast.spec.conversion import NAME_PATTERN, CacheSpec, ConversionSpec
 from ballast.spec.dataset import DatasetSpec
 from ballast.spec.deployment import ExecutionSpec, ScheduleSpec, StorageSpec
 from ballast.spec.overrides import resolve_field
-from ballast.spec.training import EvaluationSpec, RecoverySpec, TrainingSpec
+from ballast.spec.recovery import RecoverySpec
+from ballast.spec.training import EvaluationSpec, TrainingSpec
 from ballast.spec.validation import ValidationSpec
 from training.config.sections import Section
 

@@ -1,9 +1,9 @@
-"""The spec's `training`, `recovery` and `evaluation` sections.
+"""The spec's `training` and `evaluation` sections.
 
 Built from the training package's own sections (`training.config.sections`): every field a training
 process also reads is declared there once, with its default, bounds, docstring and checks. What is
 declared here is the orchestrator's alone: how many machines and processes, which converted format to
-read, learning-rate scaling, retries.
+read, learning-rate scaling.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 
 from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
                                       EarlyStopSettings, LoaderSettings, ModelSettings, MonitorSettings,
-                                      NumericsSettings, OptimSettings, RecoverySettings, RehearsalSettings,
+                                      NumericsSettings, OptimSettings, RehearsalSettings,
                                       ResourceSettings, RunSettings, Section)
 
 _MAX_LEARNING_RATE = OptimSettings.model_fields["learning_rate"].metadata
@@ -85,18 +85,6 @@ class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, Numeri
                              f" (learning_rate x {self.global_batch_size} / {self.lr_reference_batch_size})"
                              f" exceeds {limit}; lower learning_rate or raise lr_reference_batch_size")
         return self
-
-
-class RecoverySpec(RecoverySettings):
-    retries: int = Field(3, ge=0, le=50)
-    """Airflow retries of each task (seed documents: at most 3 after out-of-memory)."""
-    retry_delay_seconds: float = Field(30.0, ge=0.0, le=86_400)
-    """Wait before a retry."""
-    max_restarts: int = Field(0, ge=0, le=100)
-    """torchrun restarts of the process group within one try."""
-    oom_micro_batch_factor: float = Field(0.5, gt=0.0, lt=1.0)
-    """After an out-of-memory failure the next try multiplies the micro-batch by this factor
-    (global batch kept through gradient accumulation)."""
 
 
 class EvaluationSpec(EarlyStopSettings):

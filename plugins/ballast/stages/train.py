@@ -1,10 +1,13 @@
-"""Stage 4: distributed training through torchrun, resuming from the latest committed checkpoint.
+"""Stage 4: distributed training through torchrun, resuming from the newest checkpoint that passes
+the verification gate.
 
-Each try reads the previous try's failure record (training/failure.py) and adapts: after an
-out-of-memory failure the micro-batch shrinks by `recovery.oom_micro_batch_factor` while the global
-batch stays fixed. A training process that shows no progress for `execution.hang_timeout_seconds` is
-ended and reported as a hang. Failures a retry cannot fix (bad config, bad data, a bug) fail the task
-without retrying.
+A try begins by ending whatever an earlier try of this task left running (its lease), completing that
+try's record if it was killed before writing it, and adapting to the tries before it
+(`ballast.recovery.adapt`: a smaller micro-batch after out-of-memory, the on-demand pool after
+preemptions, an avoid list after a host's failure). It records itself in the attempt history
+(`ballast.recovery.history`) when it starts and when it ends. A training process that shows no
+progress for `execution.hang_timeout_seconds` is ended and reported as a hang. Whether a failure gets
+a new try is the recovery policy's call (`ballast.recovery.policy`, per failure class).
 """
 
 from __future__ import annotations
@@ -15,37 +18,101 @@ import threading
 from pathlib import Path
 
 from ballast.context import RunContext
-from ballast.errors import LaunchError, training_error
-from ballast.launch_spec import adapt_micro_batch, run_config, torchrun_argv
+from ballast.errors import BallastError, LaunchError, failure_class, training_error
+from ballast.launch_spec import run_config, torchrun_argv
 from ballast.records import BestValidation, TrainResult
+from ballast.recovery import adapt, history
+from ballast.recovery.policy import FAILURES_KEY, decide
 from ballast.supervise import supervise
 
 
 def run(ctx: RunContext) -> TrainResult:
-    from training.failure import read_record
-
     spec = ctx.spec
     cache = ctx.result("warm_cache")
     work = ctx.work_dir
     out_dir, ckpt_dir = work / "train", work / "checkpoints"
     out_dir.mkdir(parents=True, exist_ok=True)
+    task_id = ctx.task_id or "train"
 
-    # Adapt to the previous try's failure.
-    state_file = out_dir / "adapt.json"
-    state = json.loads(state_file.read_text()) if state_file.exists() else {}
-    micro = state.get("micro_batch_size", spec.training.micro_batch_size)
+    hist = _close_earlier_try(ctx, history.load(ctx, task_id), out_dir, ckpt_dir)
+    settings, notes = adapt.next_settings(spec, [a for a in hist.attempts if a.try_number < ctx.try_number])
+    for note in notes:
+        ctx.log.warning("adapting: %s", note)
+    if settings.capacity != "default" or settings.avoid_hosts:
+        ctx.log.info("local backend: capacity %s, hosts to avoid %s recorded (it trains on this machine)",
+                     settings.capacity, list(settings.avoid_hosts) or "none")
+    _archive_failure_record(out_dir)
+    _gate_checkpoints(ctx, cache, ckpt_dir)
+
+    attempt = history.begin(ctx.try_number, settings=settings.as_dict(), adaptation=notes)
+    hist = history.put(hist, attempt)
+    history.save(ctx, hist)
+    try:
+        result = _train(ctx, cache, out_dir, ckpt_dir, settings.micro_batch_size)
+    except BaseException as exc:
+        cancelled = not isinstance(exc, Exception)  # the task is being stopped (SIGTERM -> on_kill)
+        done = history.finish(attempt, out_dir, ckpt_dir, outcome="cancelled" if cancelled else "failed",
+                              failure_class=None if cancelled else failure_class(exc),
+                              reason=" ".join(str(exc).split()) or type(exc).__name__,
+                              exit_code=getattr(exc, "exit_code", None), host=getattr(exc, "host", None))
+        history.save(ctx, history.put(hist, done))
+        raise
+    done = history.finish(attempt, out_dir, ckpt_dir, outcome="success")
+    history.save(ctx, history.put(hist, done))
+    return result
+
+
+def _close_earlier_try(ctx: RunContext, hist, out_dir: Path, ckpt_dir: Path):
+    """End what an earlier try left running; complete its record if it was killed before writing it,
+    and count its failure against its class's budget (the retry policy never saw it)."""
+    from ballast import supervise as sup
+
+    lease = sup.end_leftovers(out_dir, ctx.log) if hasattr(sup, "end_leftovers") else None
+    hist, closed = history.close_unfinished(hist, out_dir, ckpt_dir, lease=lease)
+    if closed is None:
+        return hist
+    history.save(ctx, hist)
+    ctx.log.warning("try %d ended without recording itself: %s (class %s)", closed.try_number, closed.reason,
+                    closed.failure_class)
+    failures = dict(ctx.state.get(FAILURES_KEY) or {}) if ctx.state is not None else {}
+    failures.setdefault(str(closed.try_number), closed.failure_class or "unknown")
+    if ctx.state is not None:
+        ctx.state.set(FAILURES_KEY, failures)
+    decision = decide(ctx.spec.recovery, failures[str(closed.try_number)], failures,
+                      try_number=closed.try_number, stage=ctx.task_id or "train")
+    if not decision.retry:
+        raise LaunchError(decision.reason, failure_class="config")  # no budget left: fail, do not retry
+    return hist
+
+
+def _gate_checkpoints(ctx: RunContext, cache, ckpt_dir: Path) -> Path | None:
+    """The checkpoint this try resumes from: the newest that passes the verification gate, a forward
+    pass included; newer ones that fail are quarantined (the trainer's ranks only skip)."""
+    from training import checkpoint as ckpt
+
+    if not ckpt.committed(ckpt_dir):
+        return None
+    from ballast.stages.verify_checkpoint import held_out_probe
+    from training.checkpoint import gate
+
+    resume = gate.latest_passing(ckpt_dir, probe=held_out_probe(cache.cache_dir, cache.format),
+                                 log=ctx.log.warning)
+    ctx.log.info("resuming from %s", resume if resume is not None else "scratch (no checkpoint passes the gate)")
+    return resume
+
+
+def _archive_failure_record(out_dir: Path) -> None:
+    from training.failure import RECORD_NAME, read_record
+
     prev = read_record(out_dir)
     if prev is not None:
-        ctx.log.warning("previous try failed: %s (class %s, rank %s, step %s)", prev["exception"], prev["class"],
-                        prev["rank"], prev["step"])
-        if prev["class"] == "oom":
-            smaller = adapt_micro_batch(spec, micro, spec.recovery.oom_micro_batch_factor)
-            ctx.log.warning("out of memory last time: micro-batch %d -> %d (global batch %d kept)", micro, smaller,
-                            spec.training.global_batch_size)
-            micro = smaller
-        os.replace(out_dir / "failure.json", out_dir / f"failure-{int(prev['time'])}.json")
-    state_file.write_text(json.dumps({"micro_batch_size": micro}))
+        os.replace(out_dir / RECORD_NAME, out_dir / f"failure-{int(prev['time'])}.json")
 
+
+def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) -> TrainResult:
+    from training.failure import read_record
+
+    spec = ctx.spec
     cfg = run_config(spec, data_dir=cache.cache_dir, data_format=cache.format, checkpoint_dir=str(ckpt_dir),
                      output_dir=str(out_dir), micro_batch_size=micro,
                      data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0)
@@ -58,7 +125,7 @@ def run(ctx: RunContext) -> TrainResult:
     warmer = _Warmer(ctx) if cache.pending_phases else None
     try:
         rc, hung = supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60,
-                              abort=(lambda: warmer.error) if warmer else None)
+                             abort=(lambda: warmer.error) if warmer else None)
     finally:
         if warmer:
             warmer.join()
@@ -67,14 +134,17 @@ def run(ctx: RunContext) -> TrainResult:
     if rc != 0:
         record = read_record(out_dir)
         if hung:
-            raise LaunchError(f"training hung: no progress for {spec.execution.hang_timeout_seconds:.0f}s;"
-                              f" ended (execution.hang_timeout_seconds)", failure_class="hang")
-        if record is None:
-            raise LaunchError(f"torchrun exited {rc} without a failure record (killed? see the log above)",
+            err: BallastError = LaunchError(f"training hung: no progress for {spec.execution.hang_timeout_seconds:.0f}s;"
+                                            f" ended (execution.hang_timeout_seconds)", failure_class="hang")
+        elif record is None:
+            err = LaunchError(f"torchrun exited {rc} without a failure record (killed? see the log above)",
                               failure_class="unknown")
-        cls = record["class"]
-        raise training_error(f"training failed on rank {record['rank']} at step {record['step']}:"
-                             f" {record['exception']} (class {cls}, exit code {record['exit_code']})", cls)
+        else:
+            err = training_error(f"training failed on rank {record['rank']} at step {record['step']}:"
+                                 f" {record['exception']} (class {record['class']}, exit code"
+                                 f" {record['exit_code']})", record["class"])
+        err.exit_code, err.host = rc, (record or {}).get("host")  # for the attempt record
+        raise err
     summary = json.loads((out_dir / "summary.json").read_text())
     uploaded = upload_checkpoints(ctx, ckpt_dir)
     best = BestValidation.model_validate(summary["best"]) if summary["best"] else None

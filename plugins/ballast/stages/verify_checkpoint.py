@@ -1,15 +1,19 @@
 """Stage 5: verify the checkpoints training left before anything uses them.
 
-Uses the same predicate as the trainer's resume path (training.checkpoint.verify): committed marker,
-manifest, every file's size and sha256. Then rebuilds the model from what the checkpoint records
-about itself (`load_model`, which evaluate uses too), loads the weights into it without unpickling
-arbitrary objects, and checks they are all finite.
+The verification gate (`training.checkpoint.gate.check`, the trainer's resume path runs the same
+predicate): committed marker, manifest sizes and sha256, tensors loadable without unpickling and
+finite, the step where its directory says, and a forward pass on a held-out batch with a finite loss
+(`held_out_probe`). The model is rebuilt from what the checkpoint records about itself
+(`load_model`, which evaluate uses too), not from the spec. A checkpoint that fails is quarantined
+(`<checkpoints>/quarantine/`, with its reason) and the newest one before it that passes takes its
+place; with none left the task fails without retrying.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ballast.context import RunContext
 from ballast.errors import CheckpointError
@@ -45,27 +49,81 @@ def load_model(path: Path) -> tuple[Any, dict[str, Any]]:
     return model, weights
 
 
-def check(path: Path) -> CheckedCheckpoint:
+PROBE_ROWS = 64
+
+
+def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
+    """A forward pass of a checkpoint's model on the first held-out batch (the validation split's first
+    block, or the first training block while the validation set is not in the cache yet): its loss."""
     import torch
 
+    from training.dataset.format import blocks_of, read_manifest
+    from training.dataset.reader import Decoder, read_block
+
+    data_dir = Path(cache_dir)
+    manifest = read_manifest(data_dir)
+    blocks = [b for split in ("validation", "train") for b in blocks_of(manifest, split, fmt)[:1]
+              if (data_dir / b.path).is_file()]
+    if not blocks:
+        raise CheckpointError(f"{data_dir}: no cached validation or training block to probe checkpoints with")
+    x, y = read_block(data_dir, blocks[0], fmt, Decoder(manifest["feature"], fmt), manifest["label"]["name"])
+    x, y = torch.from_numpy(x[:PROBE_ROWS].copy()), torch.from_numpy(y[:PROBE_ROWS].copy())
+
+    def probe(path: Path, weights: dict) -> float:
+        model, _ = load_model(path)
+        model.eval()
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(model(x).float(), y))
+
+    return probe
+
+
+def describe(path: Path) -> CheckedCheckpoint:
+    """The record of a checkpoint that passed the gate."""
     from training import checkpoint as ckpt
 
-    manifest = ckpt.verify(path)
     state = ckpt.read_trainer_state(path)
-    _, weights = load_model(path)
-    bad = [name for name, t in weights.items() if torch.is_floating_point(t) and not torch.isfinite(t).all()]
-    if bad:
-        raise CheckpointError(f"{path / 'model.pt'}: non-finite values in {', '.join(bad[:5])}")
-    n_params = sum(t.numel() for t in weights.values())
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    n_params = int(sum(t.numel() for t in ckpt.load_tensors(path / "model.pt").values()))
     return CheckedCheckpoint(path=str(path), step=state["step"], files=len(manifest["files"]), parameters=n_params)
+
+
+def gated(path: Path, probe, ckpt_dir: Path, log) -> tuple[Path, list[str]]:
+    """`path` if it passes the gate; else it is quarantined and the newest checkpoint that passes is
+    returned in its place (those failing on the way are quarantined too)."""
+    from training import checkpoint as ckpt
+    from training.checkpoint import gate
+
+    try:
+        gate.check(path, probe=probe)
+        return path, []
+    except ckpt.CheckpointFailure as exc:
+        moved = gate.quarantine(path, str(exc))
+        log.warning("checkpoint quarantined: %s (moved to %s)", exc, moved)
+        first = str(exc)
+    quarantined = [path.name]
+    before = len(gate.quarantined(ckpt_dir))
+    replacement = gate.latest_passing(ckpt_dir, probe=probe, log=log.warning)
+    quarantined += [q["checkpoint"] for q in gate.quarantined(ckpt_dir)[before:]]
+    if replacement is None:
+        raise CheckpointError(f"{first}; no earlier checkpoint under {ckpt_dir} passes the verification gate"
+                              f" either (quarantined under {ckpt_dir / gate.QUARANTINE_DIR})")
+    log.warning("using %s in place of %s", replacement.name, path.name)
+    return replacement, quarantined
 
 
 def run(ctx: RunContext) -> VerifyResult:
     train = ctx.result("train")
-    best = Path(train.best_checkpoint) if train.best_checkpoint else None
-    last = Path(train.last_checkpoint)
-    checked_last = check(last)
-    checked_best = check(best) if best is not None and best != last else checked_last
+    cache = ctx.result("warm_cache")
+    ckpt_dir = Path(train.checkpoint_dir)
+    probe = held_out_probe(cache.cache_dir, cache.format)
+    trained_last = Path(train.last_checkpoint)
+    trained_best = Path(train.best_checkpoint) if train.best_checkpoint else trained_last
+    last, q_last = gated(trained_last, probe, ckpt_dir, ctx.log)
+    # The best one (when it is another checkpoint) passes the gate too, or the newest that does stands in.
+    best, q_best = (last, []) if trained_best == trained_last else gated(trained_best, probe, ckpt_dir, ctx.log)
+    checked_last = describe(last)
+    checked_best = describe(best) if best != last else checked_last
     ctx.log.info("checkpoints verified: best %s (step %d), last %s (step %d), %d parameters", checked_best.path,
                  checked_best.step, checked_last.path, checked_last.step, checked_best.parameters)
-    return VerifyResult(last=checked_last, best=checked_best)
+    return VerifyResult(last=checked_last, best=checked_best, quarantined=[*q_last, *q_best])

@@ -1,0 +1,157 @@
+"""The attempt history of a task: `runs/<dag>/<run>/attempts/<task>.json`, one `Attempt` per try.
+
+A try records itself twice: as `running` when it starts (what it resumes from, what it adapted) and
+with its outcome when it ends. A try whose process was killed never writes the second half; the next
+try completes it (`close_unfinished`) from what the earlier one left on disk: its failure record if a
+rank wrote one, its heartbeat, its checkpoints. Times come from the trainer's files:
+
+    heartbeat        "<step> <unix time>" of the latest step (rank 0, about once a second)
+    metrics.jsonl    events with their unix time: first_step, resume (checkpoint path), checkpoint (saves)
+    checkpoints      a committed checkpoint's COMMITTED marker: when it became trustworthy
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ballast.context import RunContext
+from ballast.records import Attempt, AttemptHistory
+
+
+def history_key(ctx: RunContext, task_id: str) -> str:
+    return f"{ctx.run_key}/attempts/{task_id}.json"
+
+
+def load(ctx: RunContext, task_id: str) -> AttemptHistory:
+    key = history_key(ctx, task_id)
+    if not ctx.storage.exists(key):
+        return AttemptHistory(task_id=task_id)
+    return AttemptHistory.model_validate_json(ctx.storage.read_bytes(key))
+
+
+def save(ctx: RunContext, history: AttemptHistory) -> None:
+    ctx.storage.write_bytes(history_key(ctx, history.task_id), history.model_dump_json(indent=2).encode())
+
+
+def put(history: AttemptHistory, attempt: Attempt) -> AttemptHistory:
+    """`history` with `attempt` in place of the one with its try number (or appended)."""
+    kept = [a for a in history.attempts if a.try_number != attempt.try_number]
+    return history.model_copy(update={"attempts": sorted([*kept, attempt], key=lambda a: a.try_number)})
+
+
+def _events(out_dir: Path, since: float) -> list[dict[str, Any]]:
+    try:
+        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if isinstance(e, dict) and e.get("time", 0) >= since:
+            events.append(e)
+    return events
+
+
+def _heartbeat(out_dir: Path) -> tuple[int, float] | None:
+    try:
+        step, at = (out_dir / "heartbeat").read_text().split()
+        return int(step), float(at)
+    except (OSError, ValueError):
+        return None
+
+
+def _commits(ckpt_dir: Path, since: float) -> list[tuple[int, float]]:
+    from training import checkpoint as ckpt
+
+    out = []
+    for path in ckpt.committed(ckpt_dir):
+        try:
+            at = (path / ckpt.COMMIT_MARKER).stat().st_mtime
+            step = int(path.name.rsplit("-", 1)[-1])
+        except (OSError, ValueError):
+            continue
+        if at >= since:
+            out.append((step, at))
+    return out
+
+
+def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
+    """What the try's files say about it: first step, resume, last step, last commit."""
+    events = _events(out_dir, attempt.started)
+    first = next((e for e in events if e.get("event") == "first_step"), None)
+    resume = next((e for e in events if e.get("event") == "resume"), None)
+    beat = _heartbeat(out_dir)
+    commits = _commits(ckpt_dir, attempt.started)
+    saves = {e["step"]: e["time"] for e in events if e.get("event") == "checkpoint" and "step" in e}
+    last_commit = max(commits) if commits else None
+    found: dict[str, Any] = {}
+    if first is not None:
+        found["first_step_at"] = float(first["time"])
+    if resume is not None:
+        found["resumed_from"] = Path(str(resume.get("path"))).name
+        found["resumed_step"] = resume.get("step")
+    if beat is not None and beat[1] >= attempt.started:
+        found["step_reached"] = beat[0]
+    if last_commit is not None:
+        # The work a checkpoint keeps is the state when it was taken (its save event), not its commit.
+        found["last_commit_step"] = last_commit[0]
+        found["last_commit_at"] = float(saves.get(last_commit[0], last_commit[1]))
+    return found
+
+
+def begin(try_number: int, *, settings: dict[str, Any], adaptation: list[str]) -> Attempt:
+    return Attempt(try_number=try_number, outcome="running", host=socket.gethostname(), started=time.time(),
+                   settings=settings, adaptation=adaptation)
+
+
+def finish(attempt: Attempt, out_dir: Path, ckpt_dir: Path, *, outcome: str, failure_class: str | None = None,
+           reason: str | None = None, exit_code: int | None = None, host: str | None = None,
+           ended: float | None = None) -> Attempt:
+    """The try's record with its outcome and its time split into restart, lost and productive."""
+    found = observe(attempt, out_dir, ckpt_dir)
+    ended = ended if ended is not None else time.time()
+    first = found.get("first_step_at")
+    restart = (first - attempt.started) if (first is not None and attempt.try_number > 1) else 0.0
+    lost = restart
+    if outcome != "success":
+        if first is None:
+            lost = ended - attempt.started  # not one step: the whole try
+        else:
+            lost += max(0.0, ended - max(first, found.get("last_commit_at") or first))
+    return attempt.model_copy(update={
+        **found, "outcome": outcome, "failure_class": failure_class, "reason": reason, "exit_code": exit_code,
+        "host": host or attempt.host, "ended": ended, "restart_seconds": round(max(0.0, restart), 3),
+        "lost_seconds": round(max(0.0, lost), 3)})
+
+
+def close_unfinished(history: AttemptHistory, out_dir: Path, ckpt_dir: Path, *, lease: dict | None
+                     ) -> tuple[AttemptHistory, Attempt | None]:
+    """An earlier try still `running` ended without recording itself (its task process was killed):
+    complete its record from its failure record, heartbeat and checkpoints."""
+    from training.failure import read_record
+
+    open_ = [a for a in history.attempts if a.outcome == "running"]
+    if not open_:
+        return history, None
+    attempt = open_[-1]
+    record = read_record(out_dir)
+    beat = _heartbeat(out_dir)
+    ended = max(attempt.started, beat[1] if beat else attempt.started)
+    if record is not None and record.get("time", 0) >= attempt.started:
+        done = finish(attempt, out_dir, ckpt_dir, outcome="failed", failure_class=record["class"],
+                      reason=f"{record['exception']} (rank {record['rank']}, recorded by the trainer; the task"
+                             f" process ended without recording the try)",
+                      exit_code=record.get("exit_code"), host=record.get("host"), ended=record["time"])
+    else:
+        where = f" (its process group {lease['pgid']} on {lease['host']})" if lease else ""
+        done = finish(attempt, out_dir, ckpt_dir, outcome="failed", failure_class="unknown",
+                      reason=f"try {attempt.try_number} ended without a record{where}: its task process was"
+                             f" killed, or its node lost", ended=ended)
+    return put(history, done), done

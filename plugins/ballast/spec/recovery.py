@@ -1,0 +1,114 @@
+"""The spec's `recovery` section: how many new tries each failure class gets, after what delay, and
+how a try adapts to the failure before it.
+
+Airflow's retries are the mechanism (`ballast.recovery.policy` decides each one); torchrun's group
+restarts (`max_restarts`) recover a crashed rank inside one try, before Airflow sees anything.
+
+    recovery:
+      policy:
+        oom: 3                                   # shorthand for {retries: 3}
+        communication: {retries: 4, delay_seconds: 10, backoff: 2}
+      on_demand_after_preemptions: 2
+
+An entry names only what it changes; the rest comes from the class's default (`DEFAULT_POLICY`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from training.config.sections import RecoverySettings, Section
+
+FailureClass = Literal["oom", "preempted", "hang", "communication", "hardware", "data", "divergence", "config",
+                       "user_code", "unknown"]
+"""What the orchestrator concludes a try died of (training.failure_patterns classifies it)."""
+
+CLASS_NAMES: dict[str, str] = {
+    "oom": "out-of-memory", "preempted": "preemption", "hang": "hang", "communication": "communication",
+    "hardware": "hardware", "data": "bad data", "divergence": "divergence", "config": "config",
+    "user_code": "user error", "unknown": "unknown",
+}
+
+
+class ClassPolicy(Section):
+    """Retries and delay for one failure class."""
+
+    retries: int = Field(ge=0, le=100)
+    """New tries this class may cause in one task (0: the task fails at once)."""
+    delay_seconds: float | None = Field(None, ge=0.0, le=86_400)
+    """Wait before the first retry for this class; default recovery.retry_delay_seconds."""
+    backoff: float = Field(1.0, ge=1.0, le=10.0)
+    """Each further failure of this class multiplies the delay by this (2: exponential backoff)."""
+    max_delay_seconds: float = Field(3600.0, ge=0.0, le=86_400)
+    """Upper bound on the delay, whatever the backoff."""
+
+    def delay(self, nth: int, default: float) -> float:
+        """Seconds to wait before the retry after this class's `nth` failure (1-based)."""
+        base = self.delay_seconds if self.delay_seconds is not None else default
+        return min(self.max_delay_seconds, base * self.backoff ** max(0, nth - 1))
+
+
+# The seed documents: out-of-memory retried at most 3 times; preemptions are the cloud's weather (no
+# delay, fall back to on-demand); errors a new try cannot fix fail at once.
+DEFAULT_POLICY: dict[str, dict[str, Any]] = {
+    "oom": {"retries": 3, "delay_seconds": 0.0},
+    "preempted": {"retries": 5, "delay_seconds": 0.0},
+    "hang": {"retries": 2},
+    "communication": {"retries": 2, "backoff": 2.0},
+    "hardware": {"retries": 2},
+    "divergence": {"retries": 1, "delay_seconds": 0.0},
+    "unknown": {"retries": 1},
+    "data": {"retries": 0},
+    "config": {"retries": 0},
+    "user_code": {"retries": 0},
+}
+
+
+def _default_policy() -> dict[str, ClassPolicy]:
+    return {name: ClassPolicy(**entry) for name, entry in DEFAULT_POLICY.items()}
+
+
+class RecoverySpec(RecoverySettings):
+    policy: dict[FailureClass, ClassPolicy] = Field(default_factory=_default_policy)
+    """Per failure class: retries (its budget), delay_seconds, backoff, max_delay_seconds. Classes:
+    oom, preempted, hang, communication, hardware, data, divergence, config, user_code, unknown. An
+    entry names what it changes (`oom: 1` is `oom: {retries: 1}`); the rest keeps the class's default."""
+    retries: int | None = Field(None, ge=0, le=100)
+    """Ceiling on a task's retries, whatever the classes; default the sum of the policy's budgets."""
+    retry_delay_seconds: float = Field(30.0, ge=0.0, le=86_400)
+    """Delay before a retry, for classes that set none of their own."""
+    max_restarts: int = Field(0, ge=0, le=100)
+    """torchrun restarts of the process group within one try (a crashed rank, before Airflow sees it)."""
+    oom_micro_batch_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """After an out-of-memory failure the next try multiplies the micro-batch by this factor
+    (global batch kept through gradient accumulation)."""
+    on_demand_after_preemptions: int = Field(2, ge=1, le=100)
+    """After this many preemptions the next try asks the backend for the on-demand pool."""
+    avoid_failed_hosts: bool = True
+    """After a hang, communication or hardware failure, the next try asks the backend to avoid that host."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("policy"), dict):
+            return data
+        merged: dict[Any, Any] = {}
+        for name, entry in data["policy"].items():
+            if isinstance(entry, int) and not isinstance(entry, bool):
+                entry = {"retries": entry}
+            if isinstance(entry, dict):
+                entry = {**DEFAULT_POLICY.get(name, {}), **entry}
+            merged[name] = entry
+        return {**data, "policy": {**DEFAULT_POLICY, **merged}}
+
+    def of(self, failure_class: str) -> ClassPolicy:
+        """The policy of `failure_class`; a class the table lacks is treated as unknown."""
+        return self.policy.get(failure_class) or self.policy["unknown"]  # type: ignore[index]
+
+    @property
+    def ceiling(self) -> int:
+        """Retries of a task: the sum of the budgets, capped by `retries` where set."""
+        total = sum(p.retries for p in self.policy.values())
+        return total if self.retries is None else min(total, self.retries)

@@ -1,0 +1,124 @@
+"""The verification gate: whether a checkpoint may be resumed from or promoted, and what happens to one
+that may not.
+
+`check` is the one predicate: the commit marker, the manifest's sizes and sha256 (`commit.verify`),
+the trainer state readable with a step equal to the directory's, every tensor file loadable without
+unpickling (`weights_only`), every floating-point tensor finite, the step not behind `min_step`, and,
+given a `probe`, a forward pass on a held-out batch with a finite loss. The trainer's resume path
+runs it without the probe (every rank reads the same files; the train stage has probed before the
+launch); the train stage before a launch and the verification stage before promotion run it with one.
+
+A checkpoint that fails moves to `<checkpoints>/quarantine/<name>/` with `QUARANTINED.json` (the
+reason, when, the step); the previous one that passes takes its place. Nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from training.checkpoint.commit import _step_of, committed, read_trainer_state, verify
+from training.checkpoint.fileio import load_tensors
+from training.failure import CheckpointFailure
+
+QUARANTINE_DIR = "quarantine"
+REASON_FILE = "QUARANTINED.json"
+
+Probe = Callable[[Path, dict[str, Any]], float]
+"""(checkpoint path, its model weights) -> the loss of a forward pass on a held-out batch."""
+
+
+def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None) -> dict[str, Any]:
+    """Raise CheckpointFailure naming the first thing wrong with `path`; return its trainer state."""
+    import torch
+
+    path = Path(path)
+    manifest = verify(path)
+    state = read_trainer_state(path)
+    if state.get("step") != _step_of(path):
+        raise CheckpointFailure(f"{path}: trainer.json records step {state.get('step')!r}, the directory says"
+                                f" {_step_of(path)}")
+    if min_step is not None and state["step"] < min_step:
+        raise CheckpointFailure(f"{path}: step {state['step']} is behind step {min_step}, which an earlier"
+                                f" stage already verified; the step must not go backwards")
+    weights: dict[str, Any] = {}
+    for name in sorted(manifest["files"]):
+        if not name.endswith(".pt"):
+            continue
+        tensors = load_tensors(path / name)
+        for key, value in _tensors(tensors):
+            if torch.is_tensor(value) and torch.is_floating_point(value) and not torch.isfinite(value).all():
+                raise CheckpointFailure(f"{path / name}: non-finite values in {key}")
+        if name == "model.pt":
+            weights = tensors
+    if probe is not None:
+        loss = probe(path, weights)
+        if not math.isfinite(loss):
+            raise CheckpointFailure(f"{path}: a forward pass on a held-out batch gives loss {loss}")
+    return state
+
+
+def _tensors(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, tensor) for every tensor in a nested dict/list state."""
+    if isinstance(obj, dict):
+        return [kv for k, v in obj.items() for kv in _tensors(v, f"{prefix}{k}.")]
+    if isinstance(obj, (list, tuple)):
+        return [kv for i, v in enumerate(obj) for kv in _tensors(v, f"{prefix}{i}.")]
+    return [(prefix.rstrip("."), obj)]
+
+
+def quarantine(path: Path, reason: str) -> Path:
+    """Move `path` into its root's quarantine directory with a reason file; nothing is deleted."""
+    path = Path(path)
+    target_root = path.parent / QUARANTINE_DIR
+    target_root.mkdir(exist_ok=True)
+    target = target_root / path.name
+    n = 1
+    while target.exists():
+        n += 1
+        target = target_root / f"{path.name}.{n}"
+    info = {"checkpoint": path.name, "reason": reason, "time": time.time()}
+    try:
+        info["step"] = _step_of(path)
+    except (AttributeError, ValueError):
+        pass
+    # The reason first, inside the checkpoint; then the move (one rename), which takes it out of the
+    # candidates: a reader sees the checkpoint either in place or quarantined with its reason.
+    (path / REASON_FILE).write_text(json.dumps(info, indent=2))
+    os.replace(path, target)
+    return target
+
+
+def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | None = None,
+                   quarantine_failures: bool = True, log: Callable[[str], Any] = print) -> Path | None:
+    """The newest committed checkpoint under `root` that passes `check`; the newer ones that fail are
+    quarantined (or only skipped, with `quarantine_failures=False`: the trainer's ranks read, the
+    orchestrator moves)."""
+    for path in reversed(committed(root)):
+        try:
+            check(path, probe=probe, min_step=min_step)
+            return path
+        except CheckpointFailure as exc:
+            if quarantine_failures:
+                moved = quarantine(path, str(exc))
+                log(f"checkpoint quarantined: {exc} (moved to {moved})")
+            else:
+                log(f"checkpoint skipped: {exc}")
+    return None
+
+
+def quarantined(root: Path) -> list[dict[str, Any]]:
+    """The reason files of the checkpoints quarantined under `root`, oldest first."""
+    out = []
+    qdir = Path(root) / QUARANTINE_DIR
+    for d in sorted(qdir.iterdir()) if qdir.is_dir() else []:
+        try:
+            out.append({**json.loads((d / REASON_FILE).read_text()), "path": str(d)})
+        except (OSError, ValueError):
+            out.append({"checkpoint": d.name, "reason": "no readable reason file", "path": str(d)})
+    return sorted(out, key=lambda r: r.get("time", 0))
+
