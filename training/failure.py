@@ -4,16 +4,23 @@ The contract with the orchestrator: on failure, the failing rank writes `failure
 output directory and the process exits with the class's code. torchrun itself exits 1 whenever a
 worker fails, so the orchestrator reads the record, not torchrun's exit status.
 
-| class         | exit | retry helps? | examples                                   |
-|---------------|------|--------------|--------------------------------------------|
-| config        | 64   | no           | unknown model, bad run config              |
-| data          | 65   | no           | missing shard, wrong column, bad label     |
-| user_code     | 70   | no           | a bug: TypeError, shape mismatch           |
-| divergence    | 71   | yes (resume) | NaN/Inf loss                               |
-| communication | 72   | yes          | gloo/NCCL errors, rendezvous failures      |
-| oom           | 73   | yes, smaller | torch.OutOfMemoryError, MemoryError        |
-| preempted     | 75   | yes          | SIGTERM (spot reclaim, node drain)         |
-| hang          | 76   | yes          | no progress for the hang timeout           |
+| class         | exit | retry helps? | examples                                       |
+|---------------|------|--------------|------------------------------------------------|
+| config        | 64   | no           | unknown model, bad run config                  |
+| data          | 65   | no           | missing shard, wrong column, bad label         |
+| user_code     | 70   | no           | a bug: TypeError, shape mismatch               |
+| divergence    | 71   | yes (resume) | NaN/Inf loss                                   |
+| communication | 72   | yes          | gloo/NCCL errors, rendezvous failures          |
+| oom           | 73   | yes, smaller | torch.OutOfMemoryError, MemoryError            |
+| hardware      | 74   | yes          | uncorrectable ECC error, GPU off the bus       |
+| preempted     | 75   | yes          | SIGTERM (spot reclaim, node drain)             |
+| hang          | 76   | yes          | no progress for the hang timeout               |
+| unknown       | -    | yes          | no record and nothing known in the log         |
+
+`unknown` has no exit code and is not in RETRYABLE: no trainer exits with it; it is what the
+orchestrator concludes when nothing else matches (`training.failure_patterns.classify_exit`), and
+retries. Both sides read exception texts and log lines through one pattern table,
+`training.failure_patterns`.
 """
 
 from __future__ import annotations
@@ -32,10 +39,14 @@ EXIT_CODES: dict[str, int] = {
     "divergence": 71,
     "communication": 72,
     "oom": 73,
+    "hardware": 74,
     "preempted": 75,
     "hang": 76,
 }
-RETRYABLE = frozenset({"divergence", "communication", "oom", "preempted", "hang"})
+# The one list of failure classes: the trainer's (EXIT_CODES) and the orchestrator's `unknown`.
+FAILURE_CLASSES: tuple[str, ...] = ("oom", "preempted", "hang", "communication", "hardware", "data", "divergence",
+                                    "config", "user_code", "unknown")
+RETRYABLE = frozenset({"divergence", "communication", "oom", "hardware", "preempted", "hang"})
 RECORD_NAME = "failure.json"
 
 
@@ -78,20 +89,27 @@ class DivergenceFailure(TrainingFailure):
     failure_class = "divergence"
 
 
+class HardwareFailure(TrainingFailure):
+    """The GPU or the node failed (ECC error, GPU lost from the bus); a retry on sound hardware may pass."""
+
+    failure_class = "hardware"
+
+
 class Preempted(TrainingFailure):
     failure_class = "preempted"
 
 
 def classify(exc: BaseException) -> str:
+    """The failure class of an exception: its own class if it has one, oom for memory errors by type,
+    else what its text matches in the pattern table, else user_code."""
     if isinstance(exc, TrainingFailure):
         return exc.failure_class
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return "oom"
-    text = f"{type(exc).__name__}: {exc}"
-    if any(s in text for s in ("Gloo", "gloo", "NCCL", "DistBackendError", "DistNetworkError", "RendezvousError",
-                                "Connection reset", "Connection refused", "Broken pipe")):
-        return "communication"
-    return "user_code"
+    from training.failure_patterns import classify_text  # imported here: that module imports this one
+
+    match = classify_text(f"{type(exc).__name__}: {exc}")
+    return match.failure_class if match else "user_code"
 
 
 def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: int) -> dict:
