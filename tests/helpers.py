@@ -141,3 +141,30 @@ def free_port() -> int:
 def torchrun(cfg: Path, *extra: str) -> list[str]:
     """The torchrun argv for the training module on `cfg`, with launcher arguments `extra`."""
     return [sys.executable, "-m", "torch.distributed.run", *extra, "--module", "training", "--config", str(cfg)]
+
+
+# --- a spec's DAG through Airflow (dag.test) ---------------------------------------------------------
+
+def run_spec_dag(tmp_path: Path, edit: Edit, *, conf: dict | None = None, name: str = "recovery"):
+    """The example spec, renamed `name` and changed by `edit(d)`, rendered into its DAG in a DAGs folder
+    of its own and run with dag.test(): (the DAG run, a RunContext of that run)."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+
+    def rename(d: dict) -> None:
+        d["name"] = name
+        edit(d)
+
+    dags = tmp_path / "dags"
+    (dags / "specs").mkdir(parents=True, exist_ok=True)
+    spec_path = write_spec(dags / "specs" / f"{name}.yaml", rename)
+    (dags / "pipelines.py").write_text((ROOT / "dags" / "ballast_pipelines.py").read_text())
+    bag = DagBag(str(dags))
+    assert not bag.import_errors, bag.import_errors
+    DagBundlesManager().sync_bundles_to_db()
+    sync_bag_to_db(bag, bundle_name="dags-folder", bundle_version=None)
+    dag = bag.dags[f"ballast_{name}"]
+    dr = dag.test(run_conf=conf or {})
+    from ballast.spec import load_spec
+
+    return dr, RunContext(spec=load_spec(spec_path), dag_id=dag.dag_id, run_id=dr.run_id)

@@ -278,6 +278,12 @@ SIGKILL_REASON = "SIGKILL (-9) with no failure record: the kernel OOM killer, or
     (dict(returncode=1, record={"class": "data", "rank": 0, "step": None}, log_tail=ECC), "data",
      "failure record: class data on rank 0"),
     (dict(returncode=-9, record=None), "unknown", SIGKILL_REASON),
+    # Rank 0 SIGKILLed (no record); rank 1 then records the reset connection: the kill is the cause.
+    (dict(returncode=1, record={"class": "communication", "rank": 1, "step": 34},
+          log_tail="E1203 15:58:17.025000 11173 torch/distributed/elastic/multiprocessing/api.py:836] failed"
+                   " (exitcode: -9) local_rank: 0 (pid: 11186) of fn: worker (start_method: forkserver)"), "unknown",
+     "rank 0 ended by SIGKILL without a failure record; the communication failure on rank 1 at step 34 followed"
+     " from it"),
     (dict(returncode=137, record=None, log_tail="Process terminated by signal. Likely out of memory error (OOM)."),
      "unknown", "SIGKILL (137) with no failure record: the kernel OOM killer, or killed from outside"),
     (dict(returncode=1, record=None, log_tail="E0501 torch/distributed/elastic/multiprocessing/api.py:869] failed"

@@ -1,7 +1,7 @@
 """Why a training process died: failure classes, their exit codes, and the failure record.
 
-The contract with the orchestrator: on failure, the failing rank writes `failure.json` in the run's
-output directory and the process exits with the class's code. torchrun itself exits 1 whenever a
+The contract with the orchestrator: on failure, the first rank to fail writes `failure.json` in the
+run's output directory (later ranks write `failure-rank<R>.json`: they mostly fail because of it) and the process exits with the class's code. torchrun itself exits 1 whenever a
 worker fails, so the orchestrator reads the record, not torchrun's exit status.
 
 | class         | exit | retry helps? | examples                                       |
@@ -129,7 +129,13 @@ def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: i
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{RECORD_NAME}.{rank}.tmp"
     tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, out_dir / RECORD_NAME)
+    # The first rank to fail names the cause: the others mostly fail because of it (a peer gone is
+    # "connection closed" on every other rank). Theirs go beside it, failure-rank<R>.json.
+    try:
+        os.link(tmp, out_dir / RECORD_NAME)
+        tmp.unlink()
+    except FileExistsError:
+        os.replace(tmp, out_dir / f"failure-rank{rank}.json")
     return record
 
 

@@ -148,6 +148,19 @@ del P
 
 _LABELS = {"cuda": "CUDA", "nccl": "NCCL", "xid": "NVIDIA driver", "slurm": "Slurm", "kubernetes": "Kubernetes"}
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun: "failed (exitcode: -9) local_rank: 0 ..."
+_WORKER_SIGNALLED = re.compile(r"exitcode\s*:\s*(-\d+)\)?\s*local_rank\s*:\s*(\d+)")
+SECONDARY = frozenset({"communication", "hang"})
+"""Record classes that are often only what the other ranks see when one rank is killed outright."""
+
+
+def _killed_worker(log_tail: str, record_rank: int | None) -> tuple[int, int] | None:
+    """(local rank, negative exit code) of a worker torchrun reports ended by a signal, other than the
+    record's rank (single node: local rank = rank)."""
+    for m in _WORKER_SIGNALLED.finditer(log_tail):
+        code, rank = int(m.group(1)), int(m.group(2))
+        if rank != record_rank:
+            return rank, code
+    return None
 _BY_CODE = {code: cls for cls, code in EXIT_CODES.items()}
 
 
@@ -189,6 +202,14 @@ def classify_exit(returncode: int | None, *, record: dict | None, log_tail: str 
                 (f" at step {record['step']}" if record.get("step") is not None else "")
         if cls not in FAILURE_CLASSES:
             cls, where = "unknown", f"{where} (class {cls!r} is not a failure class)"
+        killed = _killed_worker(log_tail, record.get("rank"))
+        if cls in SECONDARY and killed is not None:
+            # The record is what a peer saw: the rank that died first died of a signal, writing nothing.
+            rank, code = killed
+            sig = _signal_name(code)
+            first = "preempted" if sig == "SIGTERM" else "unknown"
+            return Outcome(first, f"rank {rank} ended by {sig or code} without a failure record; the {cls} failure"
+                                  f"{where} followed from it")
         if cls in ("user_code", "unknown"):
             m, says = classify_text(str(record.get("exception") or "")), "its exception matches"
             if not (m and m.failure_class in OVERRIDE_RECORD):

@@ -27,7 +27,8 @@ Fault = FaultSettings  # kind, step, rank: declared once, in the run config's re
 
 
 def _marker(fault: Fault, out_dir: Path, rank: int) -> Path:
-    return out_dir / f".fault-{fault.kind}-step{fault.step}-rank{rank}.fired"
+    when = f"step{fault.step}" if fault.step is not None else f"after{fault.seconds:g}s"
+    return out_dir / f".fault-{fault.kind}-{when}-try{fault.on_try or 0}-rank{rank}.fired"
 
 
 def load_faults(configured: tuple[Fault, ...] | list[Fault]) -> list[Fault]:
@@ -45,14 +46,18 @@ def load_faults(configured: tuple[Fault, ...] | list[Fault]) -> list[Fault]:
 
 
 class Injector:
-    def __init__(self, faults: list[Fault], *, rank: int, out_dir: Path):
+    def __init__(self, faults: list[Fault], *, rank: int, out_dir: Path, checkpoint_dir: Path | None = None):
         self.rank = rank
         self.out_dir = out_dir
+        self.checkpoint_dir = checkpoint_dir
         self.faults = [f for f in faults if f.rank is None or f.rank == rank]
+        self.started = time.monotonic()
 
     def due(self, step: int, kind: str | None = None) -> Fault | None:
+        elapsed = time.monotonic() - self.started
         for f in self.faults:
-            if f.step == step and (kind is None or f.kind == kind) and not _marker(f, self.out_dir, self.rank).exists():
+            when = f.step == step if f.step is not None else elapsed >= f.seconds
+            if when and (kind is None or f.kind == kind) and not _marker(f, self.out_dir, self.rank).exists():
                 return f
         return None
 
@@ -63,6 +68,9 @@ class Injector:
             return
         _marker(fault, self.out_dir, self.rank).write_text(str(time.time()))
         if fault.kind == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "corrupt":
+            self._corrupt_newest_checkpoint()
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
@@ -77,6 +85,23 @@ class Injector:
         elif fault.kind == "hang":
             while True:
                 time.sleep(3600)
+
+    def _corrupt_newest_checkpoint(self) -> None:
+        """Flip bytes in the middle of the newest committed checkpoint's model.pt (its size unchanged,
+        so only its hash and contents tell)."""
+        from training import checkpoint as ckpt
+
+        if self.checkpoint_dir is None or self.rank != 0:
+            return
+        newest = ckpt.committed(self.checkpoint_dir)[-1:]
+        if not newest:
+            return
+        target = newest[0] / "model.pt"
+        with open(target, "r+b") as fh:
+            fh.seek(target.stat().st_size // 2)
+            chunk = fh.read(64)
+            fh.seek(-len(chunk), os.SEEK_CUR)
+            fh.write(bytes(b ^ 0xFF for b in chunk))
 
     def loss_factor(self, step: int) -> float | None:
         """A factor to multiply this step's loss by (NaN, or a spike), or None."""

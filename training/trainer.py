@@ -35,6 +35,7 @@ from training.dataset.reader import Split, load_split
 from training.distributed import Distributed
 from training.failure import DataFailure, DivergenceFailure, Preempted, TrainingFailure
 from training.faults import Injector, load_faults
+from training.preflight import run_checks, state_bytes
 from training.models import build_configured_model, build_optimizer
 from training.monitor import Metrics, grad_stats
 from training.state import TrainState
@@ -58,7 +59,8 @@ class Trainer:
         self._started = time.monotonic()
         self.limit_reached = False
         self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.execution.metrics_port)
-        self.faults = Injector(load_faults(cfg.rehearsal.faults), rank=self.rank, out_dir=self.out)
+        self.faults = Injector(load_faults(cfg.rehearsal.faults), rank=self.rank, out_dir=self.out,
+                               checkpoint_dir=Path(cfg.checkpoint.directory))
 
         # Resource guards: leave ~20% of the cores to data loading; cap GPU memory per process.
         cores = os.cpu_count() or 1
@@ -345,6 +347,9 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
         patience, metric = cfg.early_stop.patience, cfg.early_stop.metric
+        checks = run_checks(self.dist, checkpoint_dir=Path(cfg.checkpoint.directory),
+                            need_bytes=state_bytes(self.raw_model, self.opt))
+        self.metrics.event("preflight", st.step, **checks)
         self.resume()
         self.supervision.heartbeat()
         self.log(f"world {self.dist.world} ({self.dist.backend}, {cfg.distributed.parallelism}),"

@@ -34,6 +34,8 @@ class RunContext:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("ballast"))
     task_id: str = ""
     """The Airflow task running the stage (its attempt history's name)."""
+    spec_file: str = ""
+    """The spec file the DAG was built from (for messages)."""
     state: Any = None
     """Airflow's task_state_store of the task (survives its retries); None outside Airflow."""
     _storage: Storage | None = None

@@ -16,7 +16,7 @@ from ballast.spec import Spec
 from training.config.run import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig, ModelConfig,
                                  RunConfig)
 from training.config.sections import (EarlyStopSettings, ExecutionSettings, NumericsSettings, OptimSettings,
-                                      RecoverySettings, ResourceSettings)
+                                      RecoverySettings, RehearsalSettings, ResourceSettings)
 
 S = TypeVar("S", bound=BaseModel)
 
@@ -30,9 +30,11 @@ def adapt_micro_batch(spec: Spec, current: int, factor: float) -> int:
 
 
 def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: str, output_dir: str,
-               micro_batch_size: int | None = None, data_wait_seconds: float = 0.0) -> RunConfig:
+               micro_batch_size: int | None = None, data_wait_seconds: float = 0.0,
+               faults: tuple | None = None) -> RunConfig:
     """The trainer's run config for one try: the spec's sections passed through whole, plus what this
-    try decided (paths, the cache's format, an adapted micro-batch). A setting added to a section of
+    try decided (paths, the cache's format, an adapted micro-batch, the rehearsal faults meant for this
+    try: none unless given). A setting added to a section of
     `training.config.sections` reaches the trainer with no change here."""
     t = spec.training
     micro = micro_batch_size or t.micro_batch_size
@@ -53,7 +55,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         early_stop=_section(EarlyStopSettings, spec.evaluation),
         recovery=_section(RecoverySettings, spec.recovery),
         execution=_section(ExecutionSettings, spec.execution),
-        rehearsal=t.rehearsal,
+        rehearsal=_section(RehearsalSettings, t.rehearsal, faults=tuple(faults or ())),
     )
 
 

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from ballast.spec import Spec, get_path, overridable_field
+from ballast.spec import Spec, get_path, overridable_field, parameter_paths
 
 # The stages every pipeline runs, in order, with what each waits for. Each is the module
 # ballast.stages.<name>. Training starts once the cache's first warm-up phase is in; the train task
@@ -106,7 +106,7 @@ def build_plan(spec: Spec, *, spec_file: str) -> Plan:
         retries=spec.recovery.ceiling,
         retry_delay_seconds=spec.recovery.retry_delay_seconds,
         stages=tuple(stages),
-        params=tuple(_param(spec, path) for path in spec.overridable),
+        params=tuple(_param(spec, key, path) for key, path in parameter_paths(spec).items()),
     )
 
 
@@ -120,7 +120,7 @@ def _properties(model: type) -> dict[str, Any]:
     return model.model_json_schema()["properties"]
 
 
-def _param(spec: Spec, path: str) -> ParamPlan:
+def _param(spec: Spec, key: str, path: str) -> ParamPlan:
     model, name = overridable_field(path)
     prop = dict(_properties(model)[name])
     if "anyOf" in prop:  # `X | None` -> type [x, "null"]
@@ -131,7 +131,6 @@ def _param(spec: Spec, path: str) -> ParamPlan:
     if "const" in prop:
         prop["enum"] = [prop.pop("const")]
     schema = {k: prop[k] for k in _KEYWORDS if k in prop}
-    key = path.rsplit(".", 1)[-1]
     section = path.split(".")[0]
     return ParamPlan(
         key=key,

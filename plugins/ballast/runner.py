@@ -57,7 +57,8 @@ def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str,
         ti = context.get("ti")
         ctx = RunContext(spec=spec, dag_id=context["dag"].dag_id, run_id=context["run_id"],
                          try_number=getattr(ti, "try_number", 1) or 1, log=logging.getLogger(f"ballast.{stage}"),
-                         task_id=getattr(ti, "task_id", None) or stage, state=context.get("task_state_store"))
+                         task_id=getattr(ti, "task_id", None) or stage, state=context.get("task_state_store"),
+                         spec_file=spec_file)
         if stage == STAGES[0]:
             effective = effective_spec_record(spec_data, spec, spec_file=spec_file, given=given)
             ctx.storage.write_bytes(f"{ctx.run_key}/spec.json", effective.model_dump_json(indent=2).encode())

@@ -22,7 +22,7 @@ from training.models import MODEL_NAMES, OPTIMIZER_NAMES
 PositiveInt = Annotated[int, Field(ge=1)]
 NumClasses = Annotated[int, Field(ge=2, le=100_000)]
 DataFormat = Literal["petastorm", "tfrecord"]
-FaultKind = Literal["crash", "oom", "nan", "spike", "hang", "sigterm", "error", "comm"]
+FaultKind = Literal["crash", "oom", "nan", "spike", "hang", "sigterm", "error", "comm", "corrupt"]
 
 
 class Section(BaseModel):
@@ -247,11 +247,23 @@ class ExecutionSettings(Section):
 class FaultSettings(Section):
     kind: FaultKind
     """What happens: crash (SIGKILL), oom, nan (non-finite loss), spike (loss x1000), hang, sigterm
-    (a preemption notice), error (a bug), comm (a communication error)."""
-    step: int = Field(ge=1)
+    (a preemption notice), error (a bug), comm (a communication error), corrupt (the newest committed
+    checkpoint's weights damaged on disk, then a crash: silent corruption the next try must catch)."""
+    step: int | None = Field(None, ge=1)
     """Optimizer step (1-based) before whose forward pass the fault fires; once per run."""
+    seconds: float | None = Field(None, gt=0)
+    """Or: fire before the first step once the training process has run this long (once per run)."""
     rank: int | None = Field(None, ge=0)
     """Only on this rank; every rank if unset."""
+    on_try: int | None = Field(None, ge=1)
+    """Only in this try of the train task (the orchestrator passes a try the faults meant for it);
+    any try if unset."""
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> FaultSettings:
+        if (self.step is None) == (self.seconds is None):
+            raise ValueError("step: give a fault either a step or seconds (when it fires), not both or neither")
+        return self
 
 
 class RehearsalSettings(Section):

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from ballast.records.attempts import RecoverySummary
+from ballast.records.attempts import AttemptHistory, RecoverySummary
 from ballast.records.base import Record
 
 
@@ -293,6 +293,10 @@ class RunReport(Record):
     """How training ended."""
     stages: StageRecords
     """Every earlier stage's record."""
+    recovery: RecoverySummary | None = None
+    """What the training tries add up to: wall, productive and lost time, failures by class, MTBF."""
+    attempts: list[AttemptHistory] = []
+    """The attempt history of each training task."""
 
 
 class AppliedParameter(Record):

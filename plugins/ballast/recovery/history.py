@@ -37,6 +37,13 @@ def save(ctx: RunContext, history: AttemptHistory) -> None:
     ctx.storage.write_bytes(history_key(ctx, history.task_id), history.model_dump_json(indent=2).encode())
 
 
+def load_all(ctx: RunContext) -> list[AttemptHistory]:
+    """Every task's attempt history in this run."""
+    prefix = f"{ctx.run_key}/attempts/"
+    keys = sorted(k for k in ctx.storage.list(prefix) if k.endswith(".json"))
+    return [AttemptHistory.model_validate_json(ctx.storage.read_bytes(k)) for k in keys]
+
+
 def put(history: AttemptHistory, attempt: Attempt) -> AttemptHistory:
     """`history` with `attempt` in place of the one with its try number (or appended)."""
     kept = [a for a in history.attempts if a.try_number != attempt.try_number]

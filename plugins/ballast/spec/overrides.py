@@ -44,9 +44,17 @@ def get_path(spec: BaseModel, path: str) -> Any:
     return value
 
 
+REHEARSAL_PARAMETER = "rehearsal"
+"""With rehearsal faults declared, this run parameter switches them on for one run."""
+
+
 def parameter_paths(spec: Any) -> dict[str, str]:
-    """Run parameter name -> the spec field it overrides."""
-    return {p.rsplit(".", 1)[-1]: p for p in spec.overridable}
+    """Run parameter name -> the spec field it overrides: the `overridable` paths, named after their
+    last part, and `rehearsal` when the spec declares rehearsal faults."""
+    paths = {p.rsplit(".", 1)[-1]: p for p in spec.overridable}
+    if spec.training.rehearsal.faults:
+        paths.setdefault(REHEARSAL_PARAMETER, "training.rehearsal.enabled")
+    return paths
 
 
 def check_parameter_names(spec: Any, names: Any, *, source: str = "run parameters") -> None:

@@ -20,9 +20,9 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from training.config.sections import RecoverySettings, Section
+from training.failure import FAILURE_CLASSES
 
-FailureClass = Literal["oom", "preempted", "hang", "communication", "hardware", "data", "divergence", "config",
-                       "user_code", "unknown"]
+FailureClass = Literal[FAILURE_CLASSES]  # type: ignore[valid-type]
 """What the orchestrator concludes a try died of (training.failure_patterns classifies it)."""
 
 CLASS_NAMES: dict[str, str] = {

@@ -63,6 +63,11 @@ class Spec(Section):
         if fmt is not None and fmt not in self.conversion.formats:
             raise ValueError(f"training.data_format: {fmt!r} is not among conversion.formats"
                              f" ({', '.join(self.conversion.formats)}); add it there or pick one of those")
+        tries = self.recovery.ceiling + 1
+        for i, fault in enumerate(self.training.rehearsal.faults):
+            if fault.on_try is not None and fault.on_try > tries:
+                raise ValueError(f"training.rehearsal.faults[{i}].on_try: try {fault.on_try} never comes: the train"
+                                 f" task has at most {tries} tries (recovery.retries / the policy's budgets)")
         leaves: dict[str, str] = {}
         for path in self.overridable:
             resolve_field(path, Spec)  # raises ValueError naming the path

@@ -27,6 +27,24 @@ class PlacementSpec(Section):
     """Training processes per machine (one per GPU on GPU machines)."""
 
 
+class RehearsalSpec(RehearsalSettings):
+    """Faults to rehearse a recovery with (game days), from the Airflow UI; off unless switched on."""
+
+    enabled: bool = False
+    """Inject the faults in this run. With faults declared, every DAG gets a trigger parameter
+    `rehearsal` that switches them on for one run."""
+    scheduled: bool = False
+    """Also in scheduled runs (never, unless this says so)."""
+
+    @model_validator(mode="after")
+    def _faults_within_budget(self) -> RehearsalSpec:
+        for i, f in enumerate(self.faults):
+            if self.max_steps is not None and f.step is not None and f.step > self.max_steps:
+                raise ValueError(f"faults[{i}].step: {f.step} is past the end of training (max_steps"
+                                 f" {self.max_steps}); the fault would never fire")
+        return self
+
+
 # pydantic lists inherited fields base by base, last base first: the order here keeps the model, the
 # placement and the batch first in the JSON Schema and in "allowed here" messages, as they always were.
 class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, NumericsSettings, OptimSettings,
@@ -40,7 +58,7 @@ class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, Numeri
     """When checkpoints are written and how many are kept."""
     monitors: MonitorSettings = MonitorSettings()
     """Loss-spike detection and gradient statistics."""
-    rehearsal: RehearsalSettings = RehearsalSettings()
+    rehearsal: RehearsalSpec = RehearsalSpec()
     """Faults to inject and step/time budgets, for rehearsing recovery; empty in production."""
 
     @property

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from ballast.context import RunContext, safe_run_id
-from ballast.records import PublishResult, RunReport, StageRecords, TrainingOutcome
+from ballast.records import PublishResult, RecoverySummary, RunReport, StageRecords, TrainingOutcome
+from ballast.recovery import history
 
 
 def run(ctx: RunContext) -> PublishResult:
@@ -41,6 +42,14 @@ def run(ctx: RunContext) -> PublishResult:
         "load_with": "torch.load(path, weights_only=True) -> state_dict for"
                      " training.models.build_configured_model(ModelConfig(**card['model_section']))",
     }
+    attempts = history.load_all(ctx)
+    summary = RecoverySummary.of(attempts)
+    card["lineage"] = {
+        "dataset_id": conv.dataset_id, "raw_fingerprint": ctx.result("validate").input_fingerprint,
+        "spec_file": ctx.spec_file, "checkpoint": str(best), "checkpoint_step": ver.best.step,
+        "quarantined_checkpoints": ver.quarantined,
+        "attempts": [h.model_dump(mode="json") for h in attempts], "recovery": summary.model_dump(mode="json"),
+    }
     ctx.storage.upload(best / "model.pt", f"{prefix}/model.pt")
     ctx.storage.write_bytes(f"{prefix}/model_card.json", json.dumps(card, indent=2).encode())
     ctx.storage.write_bytes(f"{prefix}/PUBLISHED", f"{version}\n".encode())
@@ -53,6 +62,7 @@ def run(ctx: RunContext) -> PublishResult:
         checkpoints=train.checkpoint_dir, test=test, training=training,
         stages=StageRecords(validate_=ctx.result("validate"), convert=conv, warm_cache=ctx.result("warm_cache"),
                             train=train, verify_checkpoint=ver),
+        recovery=summary, attempts=attempts,
     )
     report_key = ctx.report_key
     ctx.storage.write_bytes(report_key, report.model_dump_json(indent=2).encode())

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from ballast.context import RunContext
-from ballast.errors import BallastError, LaunchError, failure_class, training_error
+from ballast.errors import BallastError, LaunchError, SpecError, failure_class, training_error
 from ballast.launch_spec import run_config, torchrun_argv
 from ballast.records import BestValidation, TrainResult
 from ballast.recovery import adapt, history
@@ -101,12 +101,48 @@ def _gate_checkpoints(ctx: RunContext, cache, ckpt_dir: Path) -> Path | None:
     return resume
 
 
+def steps_planned(ctx: RunContext) -> int:
+    """Optimizer steps the spec's training takes at most (epochs x steps per epoch, or max_steps)."""
+    t = ctx.spec.training
+    rows = ctx.result("convert").rows.get("train", 0)
+    planned = t.epochs * max(1, rows // t.global_batch_size)
+    return min(planned, t.rehearsal.max_steps) if t.rehearsal.max_steps else planned
+
+
+def rehearsal_faults(ctx: RunContext, planned_steps: int) -> tuple:
+    """The spec's rehearsal faults meant for this try: none unless rehearsal is on for this run (the
+    `rehearsal` trigger parameter, or training.rehearsal.enabled), and none in a scheduled run unless
+    training.rehearsal.scheduled says so."""
+    r = ctx.spec.training.rehearsal
+    if not r.faults:
+        return ()
+    if not r.enabled:
+        ctx.log.info("rehearsal faults declared but off for this run (trigger with rehearsal: true to inject them)")
+        return ()
+    if ctx.run_id.startswith("scheduled__") and not r.scheduled:
+        ctx.log.warning("rehearsal is on, but this is a scheduled run: no faults (training.rehearsal.scheduled)")
+        return ()
+    for i, f in enumerate(r.faults):
+        if f.step is not None and f.step > planned_steps:
+            raise SpecError(f"{ctx.spec_file or ctx.spec.name}: training.rehearsal.faults[{i}].step: {f.step} is past the end of"
+                            f" training ({planned_steps} steps planned); the fault would never fire")
+    faults = tuple(f for f in r.faults if f.on_try in (None, ctx.try_number))
+    for f in faults:
+        when = f"step {f.step}" if f.step is not None else f"{f.seconds:g}s in"
+        ctx.log.warning("rehearsal: injecting %s at %s on %s in try %d", f.kind, when,
+                        f"rank {f.rank}" if f.rank is not None else "every rank", ctx.try_number)
+    return faults
+
+
 def _archive_failure_record(out_dir: Path) -> None:
     from training.failure import RECORD_NAME, read_record
 
     prev = read_record(out_dir)
-    if prev is not None:
-        os.replace(out_dir / RECORD_NAME, out_dir / f"failure-{int(prev['time'])}.json")
+    if prev is not None:  # the earlier try's records, kept beside the next one's
+        stamp = int(prev["time"])
+        os.replace(out_dir / RECORD_NAME, out_dir / f"failure-{stamp}.json")
+        for other in out_dir.glob("failure-rank*.json"):
+            os.replace(other, out_dir / f"failure-{stamp}-{other.name.removeprefix('failure-')}")
 
 
 def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) -> TrainResult:
@@ -115,7 +151,8 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) ->
     spec = ctx.spec
     cfg = run_config(spec, data_dir=cache.cache_dir, data_format=cache.format, checkpoint_dir=str(ckpt_dir),
                      output_dir=str(out_dir), micro_batch_size=micro,
-                     data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0)
+                     data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0,
+                     faults=rehearsal_faults(ctx, steps_planned(ctx)))
     config_path = out_dir / "run.json"
     cfg.dump(config_path)
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")

@@ -1,0 +1,171 @@
+"""Recovery through Airflow (dag.test, real torchrun): each failure class injected in one try shows its
+adaptation in the next, budgets end retries with a message naming the class, a corrupted checkpoint is
+quarantined and the one before it used. Policy and bad-input checks run in process (unit)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from ballast.errors import SpecError
+from ballast.recovery import history
+from ballast.recovery.policy import decide
+from ballast.spec import RecoverySpec, parse_spec
+from helpers import example_data, run_spec_dag
+
+
+def _fast(d: dict, faults: list[dict], **recovery) -> None:
+    """A short training (4 epochs, a checkpoint every 10 steps), the faults armed, no retry delays."""
+    d["training"].update(epochs=4, checkpoint={"every_steps": 10, "keep_last": 5},
+                         rehearsal={"faults": faults})
+    d["evaluation"].update(threshold=None, patience=10)
+    d["recovery"] = {"retry_delay_seconds": 0, **recovery}
+    d["schedule"] = {}
+
+
+def _task_states(dr) -> dict[str, tuple[str, int]]:
+    return {ti.task_id: (str(ti.state), ti.try_number) for ti in dr.get_task_instances()}
+
+
+@pytest.mark.e2e
+def test_each_class_adapts_the_next_try_and_the_report_sums_the_tries(airflow_db, digits_raw, tmp_path):
+    faults = [{"kind": "oom", "step": 5, "rank": 0, "on_try": 1},
+              {"kind": "sigterm", "step": 25, "rank": 0, "on_try": 2},
+              {"kind": "comm", "step": 45, "rank": 0, "on_try": 3}]
+    dr, ctx = run_spec_dag(tmp_path, lambda d: _fast(d, faults, on_demand_after_preemptions=1),
+                           conf={"rehearsal": True})
+    assert str(dr.state) == "success", _task_states(dr)
+    tries = history.load(ctx, "train").attempts
+    assert [(a.try_number, a.outcome, a.failure_class) for a in tries] == [
+        (1, "failed", "oom"), (2, "failed", "preempted"), (3, "failed", "communication"), (4, "success", None)]
+    # Out of memory: the micro-batch halves, accumulation doubles, the global batch stays 64.
+    assert "micro-batch 32 -> 16" in tries[1].adaptation[0] and "global batch 64 kept" in tries[1].adaptation[0]
+    run = json.loads((ctx.work_dir / "train" / "run.json").read_text())
+    assert run["batch"]["micro_batch_size"] == 16 and run["batch"]["grad_accum_steps"] == 2
+    assert run["batch"]["micro_batch_size"] * run["batch"]["grad_accum_steps"] * 2 == 64
+    # A preemption (recovery.on_demand_after_preemptions: 1) asks for the on-demand pool from then on.
+    assert tries[2].settings["capacity"] == "on-demand" and "on-demand" in tries[2].adaptation[0]
+    # A communication failure puts its host on the avoid list the backend receives.
+    assert tries[3].settings["avoid_hosts"] == [socket.gethostname()]
+    assert tries[3].settings["capacity"] == "on-demand" and tries[3].settings["micro_batch_size"] == 16
+    # Every try after the first resumes from a checkpoint the gate passed, ahead of where it failed.
+    assert tries[1].resumed_from is None or tries[1].resumed_step <= 5
+    assert tries[2].resumed_step is not None and tries[3].resumed_step >= tries[2].resumed_step
+    assert all(a.ended is not None and a.ended >= a.started for a in tries)
+    assert tries[0].step_reached is not None and tries[0].exit_code is not None
+    report = ctx.report()
+    assert report.recovery.failures_by_class == {"oom": 1, "preempted": 1, "communication": 1}
+    assert report.recovery.tries == 4 and 0 < report.recovery.effective_ratio <= 1
+    assert report.recovery.mtbf_seconds == pytest.approx(report.recovery.wall_seconds / 3, rel=1e-3)
+    assert report.recovery.lost_seconds > 0
+    card = json.loads(ctx.storage.read_bytes(report.model_card.split(str(ctx.storage.uri).rstrip("/") + "/")[-1]))
+    assert card["lineage"]["dataset_id"] == report.stages.convert.dataset_id
+    assert len(card["lineage"]["attempts"][0]["attempts"]) == 4
+
+
+@pytest.mark.e2e
+def test_a_budget_that_runs_out_fails_the_task_naming_the_class(airflow_db, digits_raw, tmp_path):
+    faults = [{"kind": "oom", "step": 3, "rank": 0, "on_try": 1}, {"kind": "oom", "step": 3, "rank": 0, "on_try": 2}]
+    dr, ctx = run_spec_dag(tmp_path, lambda d: _fast(d, faults, policy={"oom": 1}), conf={"rehearsal": True},
+                           name="budget")
+    assert str(dr.state) == "failed"
+    assert _task_states(dr)["train"] == ("failed", 2)
+    tries = history.load(ctx, "train").attempts
+    assert [a.failure_class for a in tries] == ["oom", "oom"]
+    decision = decide(ctx.spec.recovery, "oom", {"1": "oom", "2": "oom"}, try_number=2)
+    assert not decision.retry and "out-of-memory failure 2 is over its budget of 1" in decision.reason
+    assert "recovery.policy.oom.retries" in decision.reason
+
+
+@pytest.mark.e2e
+def test_a_user_error_fails_at_once_and_a_corrupted_checkpoint_is_quarantined(airflow_db, digits_raw, tmp_path):
+    faults = [{"kind": "corrupt", "step": 35, "rank": 0, "on_try": 1}, {"kind": "error", "step": 60, "on_try": 2}]
+    dr, ctx = run_spec_dag(tmp_path, lambda d: _fast(d, faults), conf={"rehearsal": True}, name="gate")
+    assert str(dr.state) == "failed"
+    assert _task_states(dr)["train"] == ("failed", 2)  # the bug is not retried (user_code budget 0)
+    tries = history.load(ctx, "train").attempts
+    assert [a.failure_class for a in tries] == ["unknown", "user_code"]  # a SIGKILL without a record: unknown
+    quarantined = list((ctx.work_dir / "checkpoints" / "quarantine").iterdir())
+    assert [q.name for q in quarantined] == ["step-00000030"]
+    reason = json.loads((quarantined[0] / "QUARANTINED.json").read_text())
+    assert "sha256 does not match" in reason["reason"] and reason["step"] == 30
+    assert tries[1].resumed_from == "step-00000020"  # the one before the damaged checkpoint
+    assert (quarantined[0] / "model.pt").exists()  # nothing deleted
+
+
+# --- the policy and the spec, in process ----------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_policy_delays_back_off_per_class_and_preemption_waits_for_nothing():
+    rec = RecoverySpec.model_validate({"retry_delay_seconds": 5, "policy": {"communication": {"retries": 4}}})
+    delays = [decide(rec, "communication", {str(i): "communication" for i in range(1, n + 1)}, try_number=n)
+              .delay_seconds for n in (1, 2, 3)]
+    assert delays == [5, 10, 20]
+    assert decide(rec, "preempted", {"1": "preempted"}, try_number=1).delay_seconds == 0
+    assert not decide(rec, "data", {"1": "data"}, try_number=1).retry
+    assert not decide(rec, "unknown", {"1": "unknown", "2": "unknown"}, try_number=2).retry
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("recovery,pattern", [
+    ({"policy": {"gpu_melted": 2}}, r"recovery\.policy\.gpu_melted: unknown key 'gpu_melted'; must be one of 'oom'"),
+    ({"policy": {"oom": -1}}, r"recovery\.policy\.oom\.retries: must be >= 0 \(got -1\)"),
+    ({"policy": {"oom": {"retries": 1, "delay": 3}}}, r"recovery\.policy\.oom\.delay: unknown key 'delay'"),
+])
+def test_bad_recovery_policies_are_one_line_errors(recovery, pattern):
+    d = example_data()
+    d["recovery"] = recovery
+    with pytest.raises(SpecError, match=pattern) as err:
+        parse_spec(d, source="bad.yaml")
+    assert len(err.value.problems) == 1 and "\n" not in err.value.problems[0]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rehearsal,pattern", [
+    ({"faults": [{"kind": "crash", "step": 500}], "max_steps": 100},
+     r"training\.rehearsal\.faults\[0\]\.step: 500 is past the end of training \(max_steps 100\)"),
+    ({"faults": [{"kind": "crash", "step": 5, "on_try": 30}]},
+     r"training\.rehearsal\.faults\[0\]\.on_try: try 30 never comes: the train task has at most 17 tries"),
+    ({"faults": [{"kind": "crash"}]}, r"training\.rehearsal\.faults\[0\]\.step: give a fault either a step or seconds"),
+    ({"faults": [{"kind": "melt", "step": 3}]}, r"training\.rehearsal\.faults\[0\]\.kind: must be one of"),
+])
+def test_bad_rehearsal_faults_are_one_line_errors(rehearsal, pattern):
+    d = example_data()
+    d["training"]["rehearsal"] = rehearsal
+    with pytest.raises(SpecError, match=pattern):
+        parse_spec(d, source="bad.yaml")
+
+
+@pytest.mark.unit
+def test_rehearsal_faults_add_a_trigger_parameter_off_by_default():
+    from ballast.plan import build_plan
+
+    d = example_data()
+    d["training"]["rehearsal"] = {"faults": [{"kind": "oom", "step": 5}]}
+    params = {p.key: p for p in build_plan(parse_spec(d), spec_file="x").params}
+    assert params["rehearsal"].default is False and params["rehearsal"].path == "training.rehearsal.enabled"
+    assert "rehearsal" not in {p.key for p in build_plan(parse_spec(example_data()), spec_file="x").params}
+
+
+@pytest.mark.unit
+def test_preflight_refuses_a_disk_without_room_for_two_checkpoints_as_hardware(tmp_path):
+    import shutil
+    from types import SimpleNamespace
+
+    import torch
+
+    from training.failure import TrainingFailure
+    from training.preflight import run_checks, state_bytes
+
+    model = torch.nn.Linear(10, 10)
+    opt = torch.optim.AdamW(model.parameters())
+    assert state_bytes(model, opt) == 3 * 110 * 4  # weights + Adam's two moments (not created yet)
+    rank0 = SimpleNamespace(device=torch.device("cpu"), enabled=False, rank=0, local_rank=0, world=1)
+    assert run_checks(rank0, checkpoint_dir=tmp_path / "ckpt", need_bytes=1000)["free_bytes"] > 0
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(TrainingFailure, match=rf"preflight failed on host {socket.gethostname()} \(rank 0\):"
+                                              r" .*ckpt: .* GB free, 2 checkpoints") as err:
+        run_checks(rank0, checkpoint_dir=tmp_path / "ckpt", need_bytes=free)
+    assert err.value.failure_class == "hardware"
