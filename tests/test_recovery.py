@@ -169,3 +169,55 @@ def test_preflight_refuses_a_disk_without_room_for_two_checkpoints_as_hardware(t
                                               r" .*ckpt: .* GB free, 2 checkpoints") as err:
         run_checks(rank0, checkpoint_dir=tmp_path / "ckpt", need_bytes=free)
     assert err.value.failure_class == "hardware"
+
+
+# --- early stop in rounds ----------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_rounds_become_task_groups_with_a_test_evaluate_that_outlives_skipped_rounds():
+    from ballast.plan import build_plan
+
+    d = example_data()
+    d["training"].update(epochs=30, rounds=3)
+    plan = build_plan(parse_spec(d), spec_file="x")
+    ups = {s.name: s.upstream for s in plan.stages}
+    assert list(ups) == ["validate", "convert", "warm_cache",
+                         "round_1.train", "round_1.verify_checkpoint", "round_1.evaluate",
+                         "round_2.train", "round_2.verify_checkpoint", "round_2.evaluate",
+                         "round_3.train", "round_3.verify_checkpoint", "round_3.evaluate", "evaluate", "publish"]
+    assert ups["round_2.train"] == ("round_1.evaluate",)
+    assert ups["evaluate"] == ("round_1.evaluate", "round_2.evaluate", "round_3.evaluate")
+    by = {s.name: s for s in plan.stages}
+    assert by["evaluate"].trigger_rule == "none_failed_min_one_success" and by["round_2.evaluate"].module == "evaluate_round"
+    one = build_plan(parse_spec(example_data()), spec_file="x")
+    assert [s.name for s in one.stages] == ["validate", "convert", "warm_cache", "train", "verify_checkpoint",
+                                             "evaluate", "publish"]  # rounds: 1 is today's DAG
+
+
+@pytest.mark.unit
+def test_rounds_that_do_not_divide_the_epochs_are_refused():
+    d = example_data()
+    d["training"].update(epochs=30, rounds=4)
+    with pytest.raises(SpecError, match=r"training\.rounds: 4 does not divide epochs 30; every round trains the same"
+                                        r" number of epochs: use one of 1, 2, 3, 5, 6, 10, 15, 30"):
+        parse_spec(d, source="bad.yaml")
+
+
+@pytest.mark.e2e
+def test_early_stop_skips_the_later_rounds_and_publish_still_runs(airflow_db, digits_raw, tmp_path):
+    def edit(d):
+        _fast(d, [])
+        d["training"].update(epochs=6, rounds=3)
+        d["evaluation"].update(patience=1, min_delta=0.5)  # nothing improves by 0.5: stop after epoch 2
+
+    dr, ctx = run_spec_dag(tmp_path, edit, name="rounds")
+    states = {k: v[0] for k, v in _task_states(dr).items()}
+    assert str(dr.state) == "success", states
+    assert states["round_1.train"] == states["round_1.evaluate"] == "success"
+    assert {states[f"round_{k}.{t}"] for k in (2, 3) for t in ("train", "verify_checkpoint", "evaluate")} == {"skipped"}
+    assert states["evaluate"] == states["publish"] == "success"
+    first = ctx.result("evaluate_round")
+    assert first.round == 1 and first.stop and "evaluation.patience 1" in first.reason and first.epochs_trained == 2
+    report = ctx.report()
+    assert report.training.epochs == 2 and report.training.stopped_early

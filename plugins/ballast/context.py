@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar, overload
 from pydantic import ValidationError
 
 from ballast.errors import BallastError
-from ballast.records import (RECORDS, ConvertResult, EvaluateResult, PublishResult, Record, RunReport, TrainResult,
+from ballast.records import (RECORDS, ROUND_RECORDS, ConvertResult, EvaluateResult, PublishResult, Record, RoundResult, RunReport, TrainResult,
                              ValidateResult, VerifyResult, WarmCacheResult, current_version)
 from ballast.spec import Spec
 from ballast.storage import Storage, ballast_home, open_storage
@@ -68,15 +68,36 @@ class RunContext:
         base = self.spec.cache.directory
         return (Path(base).expanduser() if base else ballast_home() / "cache").resolve()
 
-    def result_key(self, stage: str) -> str:
-        return f"{self.run_key}/stages/{stage}.json"
+    @property
+    def round(self) -> int | None:
+        """The training round this task belongs to (task `round_2.train`: 2), None outside rounds."""
+        m = re.fullmatch(r"round_(\d+)\..+", self.task_id or "")
+        return int(m.group(1)) if m else None
+
+    def result_key(self, stage: str, round_: int | None = None) -> str:
+        name = f"round_{round_}.{stage}" if round_ is not None else stage
+        return f"{self.run_key}/stages/{name}.json"
+
+    def _round_of(self, stage: str) -> int | None:
+        """Which round's record of `stage` to read: this task's round, or (after the rounds) the last
+        round that recorded one; None for a stage that is not per round."""
+        if stage not in ROUND_RECORDS or self.spec.training.rounds <= 1:
+            return None
+        if self.round is not None:
+            return self.round
+        for k in range(self.spec.training.rounds, 0, -1):
+            if self.storage.exists(self.result_key(stage, k)):
+                return k
+        return 1
 
     def save_result(self, stage: str, record: Record) -> None:
-        """Save a stage's record as readable JSON (with its version) at `result_key(stage)`."""
+        """Save a stage's record as readable JSON (with its version) at `result_key(stage)` (per round
+        inside the rounds of training)."""
         expected = RECORDS.get(stage)
         if expected is not None and not isinstance(record, expected):
             raise TypeError(f"stage {stage!r} records a {expected.__name__}, not {type(record).__name__}")
-        self.storage.write_bytes(self.result_key(stage), record.model_dump_json(indent=2).encode())
+        round_ = self.round if stage in ROUND_RECORDS else None
+        self.storage.write_bytes(self.result_key(stage, round_), record.model_dump_json(indent=2).encode())
 
     @overload
     def result(self, stage: Literal["validate"]) -> ValidateResult: ...
@@ -93,6 +114,8 @@ class RunContext:
     @overload
     def result(self, stage: Literal["publish"]) -> PublishResult: ...
     @overload
+    def result(self, stage: Literal["evaluate_round"]) -> RoundResult: ...
+    @overload
     def result(self, stage: str) -> Record: ...
 
     def result(self, stage: str) -> Record:
@@ -101,7 +124,7 @@ class RunContext:
         model = RECORDS.get(stage)
         if model is None:
             raise BallastError(f"stage {stage!r} keeps no record; stages that do: {', '.join(RECORDS)}")
-        key = self.result_key(stage)
+        key = self.result_key(stage, self._round_of(stage))
         if not self.storage.exists(key):
             raise BallastError(f"{self.storage.describe(key)}: stage {stage!r} has no result for run {self.run_id};"
                                f" run the pipeline from the start (or clear that task) first")

@@ -31,7 +31,7 @@ def adapt_micro_batch(spec: Spec, current: int, factor: float) -> int:
 
 def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: str, output_dir: str,
                micro_batch_size: int | None = None, data_wait_seconds: float = 0.0,
-               faults: tuple | None = None) -> RunConfig:
+               faults: tuple | None = None, epochs: int | None = None) -> RunConfig:
     """The trainer's run config for one try: the spec's sections passed through whole, plus what this
     try decided (paths, the cache's format, an adapted micro-batch, the rehearsal faults meant for this
     try: none unless given). A setting added to a section of
@@ -40,7 +40,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
     micro = micro_batch_size or t.micro_batch_size
     feature = spec.dataset.features[0]
     return RunConfig(
-        epochs=t.epochs, seed=t.seed, output_dir=output_dir,
+        epochs=epochs or t.epochs, seed=t.seed, output_dir=output_dir,
         model=_section(ModelConfig, t, input_shape=feature.shape or (1,), num_classes=spec.dataset.num_classes),
         data=_section(DataConfig, t, directory=data_dir, format=data_format, feature=feature.name,
                       label=spec.dataset.label, wait_seconds=data_wait_seconds),

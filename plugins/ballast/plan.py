@@ -27,17 +27,34 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
     "publish": ("evaluate",),
 }
 STAGES: tuple[str, ...] = tuple(UPSTREAM)
+STAGE_MODULES: tuple[str, ...] = (*STAGES, "evaluate_round")
+"""Every module of ballast.stages a task runs (a round's evaluate is evaluate_round)."""
 
 # Stages whose failures are about the input, not the machine: retrying cannot help.
 NO_RETRY = frozenset({"validate"})
 
 
+ROUND_STAGES = ("train", "verify_checkpoint", "evaluate")
+"""With training.rounds > 1, these run once per round, in a TaskGroup `round_<k>`; a round's `evaluate`
+scores the validation split and decides early stopping (module ballast.stages.evaluate_round)."""
+
+
 @dataclass(frozen=True)
 class StagePlan:
     name: str
+    """The task id (`round_2.train` inside a round's group)."""
     upstream: tuple[str, ...]
     retries: int
     doc: str
+    module: str = ""
+    """ballast.stages.<module> runs it (default: the stage's name)."""
+    group: str | None = None
+    """The TaskGroup it belongs to (a round), if any."""
+    trigger_rule: str = "all_success"
+
+    @property
+    def local_name(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -83,14 +100,16 @@ _DOCS = {
 
 
 def build_plan(spec: Spec, *, spec_file: str) -> Plan:
+    retries = spec.recovery.ceiling
+    rounds = spec.training.rounds
     stages = []
     for name in STAGES:
-        stages.append(StagePlan(
-            name=name,
-            upstream=UPSTREAM[name],
-            retries=0 if name in NO_RETRY else spec.recovery.ceiling,
-            doc=_DOCS[name],
-        ))
+        if rounds > 1 and name in ROUND_STAGES:
+            continue
+        stages.append(StagePlan(name=name, upstream=UPSTREAM[name], retries=0 if name in NO_RETRY else retries,
+                                doc=_DOCS[name], module=name))
+    if rounds > 1:
+        stages = _with_rounds(stages, rounds, retries, spec.training.epochs_per_round)
     tags = tuple(dict.fromkeys(("ballast", *spec.tags)))
     return Plan(
         dag_id=spec.dag_id,
@@ -108,6 +127,30 @@ def build_plan(spec: Spec, *, spec_file: str) -> Plan:
         stages=tuple(stages),
         params=tuple(_param(spec, key, path) for key, path in parameter_paths(spec).items()),
     )
+
+
+def _with_rounds(stages: list[StagePlan], rounds: int, retries: int, epochs: int) -> list[StagePlan]:
+    """One train -> verify_checkpoint -> evaluate group per round after warm_cache; the test-split
+    evaluate after all of them (it runs when at least one round finished and none failed: the rounds
+    early stopping skipped do not hold it back); publish last."""
+    head = [s for s in stages if s.name in ("validate", "convert", "warm_cache")]
+    rounds_plan: list[StagePlan] = []
+    before = "warm_cache"
+    for k in range(1, rounds + 1):
+        group = f"round_{k}"
+        for name in ROUND_STAGES:
+            doc = {"train": f"Round {k} of {rounds}: train {epochs} more epochs from round {k - 1}'s verified"
+                            f" checkpoint (skipped once early stopping has ended training).",
+                   "verify_checkpoint": _DOCS["verify_checkpoint"],
+                   "evaluate": "Score the round's checkpoint on the validation split; decide early stopping."}[name]
+            rounds_plan.append(StagePlan(name=f"{group}.{name}", upstream=(before,), retries=retries, doc=doc,
+                                         module="evaluate_round" if name == "evaluate" else name, group=group))
+            before = f"{group}.{name}"
+    last_evals = tuple(f"round_{k}.evaluate" for k in range(1, rounds + 1))
+    tail = [StagePlan(name="evaluate", upstream=last_evals, retries=retries, doc=_DOCS["evaluate"], module="evaluate",
+                      trigger_rule="none_failed_min_one_success"),
+            StagePlan(name="publish", upstream=("evaluate",), retries=retries, doc=_DOCS["publish"], module="publish")]
+    return head + rounds_plan + tail
 
 
 _KEYWORDS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "enum", "minLength",

@@ -11,7 +11,7 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk import DAG, Asset, BaseOperator, Param
+from airflow.sdk import DAG, Asset, BaseOperator, Param, TaskGroup
 
 from ballast.errors import SpecError
 from ballast.plan import Plan, build_plan
@@ -73,10 +73,16 @@ def render(plan: Plan) -> DAG:
         },
     ) as dag:
         tasks: dict[str, StageOperator] = {}
+        groups: dict[str, TaskGroup] = {}
         for stage in plan.stages:
+            group = None
+            if stage.group is not None:
+                group = groups.get(stage.group) or groups.setdefault(stage.group, TaskGroup(stage.group))
             tasks[stage.name] = task = StageOperator(
-                task_id=stage.name,
-                stage=stage.name,
+                task_id=stage.local_name,
+                task_group=group,
+                trigger_rule=stage.trigger_rule,
+                stage=stage.module or stage.name,
                 spec_data=plan.spec_data,
                 spec_file=plan.spec_file,
                 retries=stage.retries,

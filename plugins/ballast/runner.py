@@ -16,7 +16,7 @@ from typing import Any
 
 from ballast.context import RunContext
 from ballast.errors import BallastError, SpecError, from_training, retry_helps
-from ballast.plan import STAGES
+from ballast.plan import STAGE_MODULES, STAGES
 from ballast.records import AppliedParameter, EffectiveSpec
 from ballast.spec import apply_overrides, check_parameter_names, get_path, parameter_paths, parse_spec
 from training.failure import TrainingFailure
@@ -48,8 +48,8 @@ def effective_spec_record(base_data: dict, spec: Any, *, spec_file: str, given: 
 
 
 def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str, Any]) -> dict[str, Any]:
-    if stage not in STAGES:
-        raise SpecError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    if stage not in STAGE_MODULES:
+        raise SpecError(f"unknown stage {stage!r}; stages: {', '.join(STAGE_MODULES)}")
     spec = None
     try:
         given = dict(getattr(context.get("dag_run"), "conf", None) or {})

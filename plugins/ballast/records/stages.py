@@ -221,6 +221,36 @@ class EvaluateResult(HeldOutScores):
 # --- publish -----------------------------------------------------------------------------------------
 
 
+class RoundResult(Record):
+    """Stage `evaluate_round` (a round's `evaluate` task): the round's validation score and the early-
+    stopping state the later rounds read (from the trainer's own state in the round's checkpoint)."""
+
+    version: int = 1
+    """Record format version."""
+    round: int
+    """The round (1-based)."""
+    rounds: int
+    """Rounds planned."""
+    epochs_trained: int
+    """Epochs trained so far, all rounds together."""
+    checkpoint: str
+    """The round's verified checkpoint (the next round resumes from it)."""
+    metric: str
+    """Validation metric (evaluation.metric)."""
+    value: float | None
+    """Its value after the round's last epoch."""
+    best_value: float | None
+    """The best value so far."""
+    best_epoch: int | None
+    """The epoch (0-based) it was reached in."""
+    bad_epochs: int
+    """Epochs since the best one that did not improve it by evaluation.min_delta."""
+    stop: bool
+    """True: early stopping has ended training; the later rounds are skipped."""
+    reason: str
+    """One line: why training goes on or stops."""
+
+
 class PublishResult(Record):
     """Stage `publish`: where the model, its card and the run's report went."""
 
@@ -334,5 +364,10 @@ RECORDS: dict[str, type[Record]] = {
     "verify_checkpoint": VerifyResult,
     "evaluate": EvaluateResult,
     "publish": PublishResult,
+    "evaluate_round": RoundResult,
 }
-"""Pipeline stage -> the record it returns (closed: every stage of `ballast.plan.STAGES` is here)."""
+"""Pipeline stage -> the record it returns (closed: every stage of `ballast.plan.STAGES` is here, and a
+round's evaluate)."""
+
+ROUND_RECORDS = frozenset({"train", "verify_checkpoint", "evaluate_round"})
+"""Stages recorded once per round (`stages/round_<k>.<stage>.json`) when training runs in rounds."""

@@ -51,6 +51,9 @@ class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, Numeri
                    RunSettings, BatchSettings, PlacementSpec, ModelSettings):
     data_format: DataFormat | None = None
     """Which converted format training reads; default the first of conversion.formats."""
+    rounds: int = Field(1, ge=1, le=100)
+    """Train in this many rounds of epochs / rounds epochs each, one train -> verify -> evaluate group of
+    tasks per round; when early stopping ends training, the later rounds are skipped (1: one train task)."""
     lr_reference_batch_size: int | None = Field(None, ge=1)
     """If set, the learning rate is scaled linearly by global_batch_size / this (seed documents: 32 per
     device as the reference)."""
@@ -92,6 +95,18 @@ class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, Numeri
                 f"global_batch_size: must be a multiple of micro_batch_size x processes_per_node x nodes"
                 f" = {self.micro_batch_size} x {self.processes_per_node} x {self.nodes} = {step}"
                 f" (got {self.global_batch_size})")
+        return self
+
+    @property
+    def epochs_per_round(self) -> int:
+        return self.epochs // self.rounds
+
+    @model_validator(mode="after")
+    def _check_rounds(self) -> TrainingSpec:
+        if self.epochs % self.rounds:
+            divisors = [str(d) for d in range(1, min(self.epochs, 100) + 1) if self.epochs % d == 0]
+            raise ValueError(f"rounds: {self.rounds} does not divide epochs {self.epochs}; every round trains the"
+                             f" same number of epochs: use one of {', '.join(divisors)} or change epochs")
         return self
 
     @model_validator(mode="after")

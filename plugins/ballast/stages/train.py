@@ -20,7 +20,7 @@ from pathlib import Path
 from ballast.context import RunContext
 from ballast.errors import BallastError, LaunchError, SpecError, failure_class, training_error
 from ballast.launch_spec import run_config, torchrun_argv
-from ballast.records import BestValidation, TrainResult
+from ballast.records import BestValidation, RoundResult, TrainResult
 from ballast.recovery import adapt, history
 from ballast.recovery.policy import FAILURES_KEY, decide
 from ballast.supervise import supervise
@@ -33,9 +33,11 @@ def run(ctx: RunContext) -> TrainResult:
     out_dir, ckpt_dir = work / "train", work / "checkpoints"
     out_dir.mkdir(parents=True, exist_ok=True)
     task_id = ctx.task_id or "train"
+    start = _after_previous_round(ctx)
 
     hist = _close_earlier_try(ctx, history.load(ctx, task_id), out_dir, ckpt_dir)
-    settings, notes = adapt.next_settings(spec, [a for a in hist.attempts if a.try_number < ctx.try_number])
+    settings, notes = adapt.next_settings(spec, [a for a in hist.attempts if a.try_number < ctx.try_number],
+                                          start=start)
     for note in notes:
         ctx.log.warning("adapting: %s", note)
     if settings.capacity != "default" or settings.avoid_hosts:
@@ -60,6 +62,23 @@ def run(ctx: RunContext) -> TrainResult:
     done = history.finish(attempt, out_dir, ckpt_dir, outcome="success")
     history.save(ctx, history.put(hist, done))
     return result
+
+
+def _after_previous_round(ctx: RunContext) -> adapt.TrySettings | None:
+    """In round k > 1: skip when early stopping ended training in round k - 1 (this task and the later
+    rounds show as skipped); else carry the micro-batch the previous round ended with."""
+    k = ctx.round
+    if k is None or k == 1:
+        return None
+    key = ctx.result_key("evaluate_round", k - 1)
+    prev = RoundResult.model_validate_json(ctx.storage.read_bytes(key))
+    if prev.stop:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        ctx.log.info("round %d skipped: %s", k, prev.reason)
+        raise AirflowSkipException(f"early stopping ended training in round {k - 1}: {prev.reason}")
+    trained = TrainResult.model_validate_json(ctx.storage.read_bytes(ctx.result_key("train", k - 1)))
+    return adapt.TrySettings(micro_batch_size=trained.micro_batch_size)
 
 
 def _close_earlier_try(ctx: RunContext, hist, out_dir: Path, ckpt_dir: Path):
@@ -152,7 +171,8 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) ->
     cfg = run_config(spec, data_dir=cache.cache_dir, data_format=cache.format, checkpoint_dir=str(ckpt_dir),
                      output_dir=str(out_dir), micro_batch_size=micro,
                      data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0,
-                     faults=rehearsal_faults(ctx, steps_planned(ctx)))
+                     faults=rehearsal_faults(ctx, steps_planned(ctx)),
+                     epochs=ctx.round * spec.training.epochs_per_round if ctx.round else None)
     config_path = out_dir / "run.json"
     cfg.dump(config_path)
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
