@@ -221,3 +221,36 @@ def test_early_stop_skips_the_later_rounds_and_publish_still_runs(airflow_db, di
     assert first.round == 1 and first.stop and "evaluation.patience 1" in first.reason and first.epochs_trained == 2
     report = ctx.report()
     assert report.training.epochs == 2 and report.training.stopped_early
+
+
+# --- publish if better, warm start ------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_publish_if_better_both_ways_and_a_warm_start_from_the_published_model(airflow_db, digits_raw, tmp_path):
+    def run(tag: str, *, lr: float, epochs: int, warm: bool = False):
+        def edit(d):
+            _fast(d, [])
+            d["training"].update(epochs=epochs, learning_rate=lr)
+            d["evaluation"].update(publish="if_better", warm_start=warm)
+        dr, ctx = run_spec_dag(tmp_path / tag, edit, name="registry")
+        assert str(dr.state) == "success", _task_states(dr)
+        return ctx.result("publish"), ctx
+
+    barely, _ = run("a", lr=1e-6, epochs=1)  # the first model of the pipeline is published, however weak
+    assert barely.published and barely.reason == "the first published model of the pipeline"
+    good, ctx = run("b", lr=0.003, epochs=4)
+    assert good.published and "beats the published model " + barely.published_version in good.reason
+    assert good.value > barely.value
+    worse, ctx = run("c", lr=1e-6, epochs=1)
+    assert not worse.published and worse.published_version == good.published_version
+    assert f"does not beat the published model {good.published_version}" in worse.reason
+    assert ctx.storage.read_bytes("models/registry/LATEST").decode().strip() == good.published_version
+    assert not ctx.report().published and ctx.result("evaluate").baseline.value == pytest.approx(good.value)
+    # A warm start begins at the published model: one epoch at a learning rate that changes nothing keeps
+    # its accuracy, where the same epoch from a random start (run c) stays near chance.
+    warm, ctx = run("d", lr=1e-6, epochs=1, warm=True)
+    assert ctx.result("train").warm_started_from == good.published_version
+    assert warm.value == pytest.approx(good.value, abs=0.02) and warm.value > worse.value + 0.3
+    card = json.loads(ctx.storage.read_bytes(f"models/registry/{good.published_version}/model_card.json"))
+    assert card["lineage"]["warm_started_from"] is None and card["lineage"]["dataset_id"]

@@ -123,6 +123,8 @@ class Trainer:
         loaded = self.checkpoints.load(path)
         if loaded:
             self._resumed_at = time.monotonic()
+        elif path is None and self.cfg.checkpoint.init_weights:
+            self.checkpoints.init_weights(Path(self.cfg.checkpoint.init_weights))
         return loaded
 
     # -- the loop ----------------------------------------------------------------------------------

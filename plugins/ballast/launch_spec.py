@@ -31,7 +31,8 @@ def adapt_micro_batch(spec: Spec, current: int, factor: float) -> int:
 
 def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: str, output_dir: str,
                micro_batch_size: int | None = None, data_wait_seconds: float = 0.0,
-               faults: tuple | None = None, epochs: int | None = None) -> RunConfig:
+               faults: tuple | None = None, epochs: int | None = None,
+               init_weights: str | None = None) -> RunConfig:
     """The trainer's run config for one try: the spec's sections passed through whole, plus what this
     try decided (paths, the cache's format, an adapted micro-batch, the rehearsal faults meant for this
     try: none unless given). A setting added to a section of
@@ -50,7 +51,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         numerics=_section(NumericsSettings, t),
         distributed=_section(DistributedConfig, t),
         resources=_section(ResourceSettings, t),
-        checkpoint=_section(CheckpointConfig, t.checkpoint, directory=checkpoint_dir),
+        checkpoint=_section(CheckpointConfig, t.checkpoint, directory=checkpoint_dir, init_weights=init_weights),
         monitors=t.monitors,
         early_stop=_section(EarlyStopSettings, spec.evaluation),
         recovery=_section(RecoverySettings, spec.recovery),

@@ -124,6 +124,15 @@ class CheckpointManager:
 
         return latest_passing(self.root, quarantine_failures=False, log=self.log)
 
+    def init_weights(self, path: Path) -> None:
+        """Start from the model weights in `path` (a warm start: weights only, a fresh optimizer)."""
+        weights = load_tensors(path)
+        try:
+            self.model.load_state_dict(weights)
+        except (RuntimeError, KeyError) as exc:
+            raise CheckpointFailure(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
+        self.log(f"no checkpoint; starting from the weights in {path} (warm start)")
+
     def load(self, path: Path | None = None) -> bool:
         """Restore everything from `path` (default: the latest valid checkpoint); False if there is none."""
         import torch

@@ -69,6 +69,9 @@ class DataConfig(LoaderSettings):
 class CheckpointConfig(CheckpointSettings):
     directory: str = Field(min_length=1)
     """Where this run's checkpoints are committed (shared by every try)."""
+    init_weights: str | None = None
+    """A tensor file of model weights to start from when there is no checkpoint to resume (a warm
+    start from a published model); loaded without unpickling."""
 
 
 # --- the run config --------------------------------------------------------------------------------

@@ -147,6 +147,8 @@ class TrainResult(Record):
     """Micro-batch this try trained with (smaller than the spec's after an out-of-memory failure)."""
     uploaded_checkpoints: list[str]
     """Checkpoints copied to remote storage by this try (empty when storage is this disk)."""
+    warm_started_from: str | None = None
+    """The published model version training started from (evaluation.warm_start), if any."""
 
 
 # --- verify_checkpoint -------------------------------------------------------------------------------
@@ -212,6 +214,10 @@ class EvaluateResult(HeldOutScores):
     """The spec's `evaluation.threshold` (None: no gate)."""
     passed: bool | None = None
     """Whether `value` reached the threshold (None without one)."""
+    baseline: HeldOutScores | None = None
+    """The last published model's scores on the same test split (evaluation.publish: if_better)."""
+    baseline_version: str | None = None
+    """Its version."""
 
     def scores(self) -> HeldOutScores:
         """The test scores alone (what the model card and the report quote)."""
@@ -270,6 +276,10 @@ class PublishResult(Record):
     """The spec's `evaluation.metric`."""
     value: float
     """Its value on the test split."""
+    published: bool = True
+    """False when evaluation.publish: if_better kept the model already published (`published_version`)."""
+    reason: str | None = None
+    """Why it was or was not published (if_better)."""
 
 
 class TrainingOutcome(Record):
@@ -311,6 +321,8 @@ class RunReport(Record):
     """The DAG that ran."""
     run_id: str
     """The DAG run."""
+    published: bool = True
+    """Whether this run published its model (evaluation.publish: if_better may keep the old one)."""
     model: str
     """Where the published weights are (storage URI)."""
     model_card: str

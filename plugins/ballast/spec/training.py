@@ -8,6 +8,8 @@ read, learning-rate scaling.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
@@ -123,3 +125,9 @@ class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, Numeri
 class EvaluationSpec(EarlyStopSettings):
     threshold: float | None = None
     """Publish only if the test metric is at least (max) / at most (min) this value."""
+    warm_start: bool = False
+    """Start training from the pipeline's last published model (its weights; a fresh optimizer) instead
+    of a random initialisation, when there is one and no checkpoint to resume."""
+    publish: Literal["always", "if_better"] = "always"
+    """if_better: publish only when the new model beats the last published one on this run's test split
+    (scored side by side in the evaluate task); otherwise say so and keep the old one."""

@@ -12,8 +12,29 @@ from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import QualityGateError
-from ballast.records import EvaluateResult
+from ballast.records import EvaluateResult, HeldOutScores
 from ballast.stages.verify_checkpoint import load_model
+
+
+def _baseline(ctx: RunContext, test) -> tuple[HeldOutScores | None, str | None]:
+    """The last published model's scores on this run's test split (evaluation.publish: if_better)."""
+    import torch
+
+    from ballast import registry
+    from training.metrics import classification_sums
+
+    published = registry.latest(ctx)
+    if published is None:
+        ctx.log.info("evaluation.publish if_better: no model published yet; this one will be the first")
+        return None, None
+    model = registry.load(registry.weights(ctx, published, ctx.work_dir / "baseline"), published.model_section)
+    model.eval()
+    with torch.no_grad():
+        scores = classification_sums(model(torch.from_numpy(test.features)).float(), torch.from_numpy(test.labels)).scores()
+    ev = ctx.spec.evaluation
+    ctx.log.info("published model %s on the same test split: %s = %.4f", published.version, ev.metric, scores[ev.metric])
+    return HeldOutScores(metric=ev.metric, value=scores[ev.metric], accuracy=scores["accuracy"], loss=scores["loss"],
+                         test_rows=len(test)), published.version
 
 
 def run(ctx: RunContext) -> EvaluateResult:
@@ -37,9 +58,11 @@ def run(ctx: RunContext) -> EvaluateResult:
     value = scores[ev.metric]
     history = ckpt.read_trainer_state(best)["history"]
     ok = None if ev.threshold is None else reaches(value, ev.threshold, mode=ev.mode)
+    baseline, baseline_version = _baseline(ctx, test) if ev.publish == "if_better" else (None, None)
     result = EvaluateResult(metric=ev.metric, value=value, accuracy=scores["accuracy"], loss=scores["loss"],
                             test_rows=len(test), per_class_accuracy=per_class_accuracy(logits, y),
-                            checkpoint=str(best), validation_history=history, threshold=ev.threshold, passed=ok)
+                            checkpoint=str(best), validation_history=history, threshold=ev.threshold, passed=ok,
+                            baseline=baseline, baseline_version=baseline_version)
     ctx.log.info("test %s = %.4f on %d held-out rows (checkpoint %s)", ev.metric, value, len(test), best)
     if ok is False:
         ctx.save_result("evaluate", result)  # keep the numbers for the report even though we stop here

@@ -50,13 +50,19 @@ def run(ctx: RunContext) -> PublishResult:
         "quarantined_checkpoints": ver.quarantined,
         "attempts": [h.model_dump(mode="json") for h in attempts], "recovery": summary.model_dump(mode="json"),
     }
-    ctx.storage.upload(best / "model.pt", f"{prefix}/model.pt")
-    ctx.storage.write_bytes(f"{prefix}/model_card.json", json.dumps(card, indent=2).encode())
-    ctx.storage.write_bytes(f"{prefix}/PUBLISHED", f"{version}\n".encode())
-    ctx.storage.write_bytes(f"models/{spec.name}/LATEST", f"{version}\n".encode())
+    card["lineage"]["warm_started_from"] = train.warm_started_from
+    publish, reason = _beats_published(ctx, ev)
+    if publish:
+        ctx.storage.upload(best / "model.pt", f"{prefix}/model.pt")
+        ctx.storage.write_bytes(f"{prefix}/model_card.json", json.dumps(card, indent=2).encode())
+        ctx.storage.write_bytes(f"{prefix}/PUBLISHED", f"{version}\n".encode())
+        ctx.storage.write_bytes(f"models/{spec.name}/LATEST", f"{version}\n".encode())
+    else:
+        ctx.log.warning("not published: %s", reason)
+        version, prefix = ev.baseline_version, f"models/{spec.name}/{ev.baseline_version}"
 
     report = RunReport(
-        pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id,
+        pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id, published=publish,
         model=ctx.storage.describe(f"{prefix}/model.pt"),
         model_card=ctx.storage.describe(f"{prefix}/model_card.json"),
         checkpoints=train.checkpoint_dir, test=test, training=training,
@@ -66,7 +72,23 @@ def run(ctx: RunContext) -> PublishResult:
     )
     report_key = ctx.report_key
     ctx.storage.write_bytes(report_key, report.model_dump_json(indent=2).encode())
-    ctx.log.info("published %s: test %s %.4f", ctx.storage.describe(prefix), ev.metric, ev.value)
+    if publish:
+        ctx.log.info("published %s: test %s %.4f%s", ctx.storage.describe(prefix), ev.metric, ev.value,
+                     f" ({reason})" if reason else "")
     return PublishResult(published_version=version, model=report.model, model_card=report.model_card,
                          report=ctx.storage.describe(report_key), checkpoints=train.checkpoint_dir,
-                         metric=ev.metric, value=ev.value)
+                         metric=ev.metric, value=ev.value, published=publish, reason=reason)
+
+
+def _beats_published(ctx: RunContext, ev) -> tuple[bool, str | None]:
+    """(publish?, why) under evaluation.publish; `always` publishes without a reason."""
+    from training.metrics import improved
+
+    spec_ev = ctx.spec.evaluation
+    if spec_ev.publish != "if_better" or ev.baseline is None:
+        return True, None if spec_ev.publish != "if_better" else "the first published model of the pipeline"
+    better = improved(ev.value, ev.baseline.value, mode=spec_ev.mode, min_delta=spec_ev.min_delta)
+    verb = "beats" if better else "does not beat"
+    return better, (f"test {ev.metric} {ev.value:.4f} {verb} the published model {ev.baseline_version}"
+                    f" ({ev.baseline.value:.4f}) on the same {ev.test_rows} test rows (evaluation.publish: if_better)")
+

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from ballast.context import RunContext
-from ballast.errors import BallastError, LaunchError, SpecError, failure_class, training_error
+from ballast.errors import BallastError, ConfigError, LaunchError, SpecError, failure_class, training_error
 from ballast.launch_spec import run_config, torchrun_argv
 from ballast.records import BestValidation, RoundResult, TrainResult
 from ballast.recovery import adapt, history
@@ -153,6 +153,45 @@ def rehearsal_faults(ctx: RunContext, planned_steps: int) -> tuple:
     return faults
 
 
+def _warm_start(ctx: RunContext, ckpt_dir: Path) -> str | None:
+    """With evaluation.warm_start, the last published model's weights (when there is no checkpoint to
+    resume: a resume always wins); its model must be the one this spec trains."""
+    from training import checkpoint as ckpt
+    from training.config.run import ModelConfig
+
+    if not ctx.spec.evaluation.warm_start or ckpt.committed(ckpt_dir) or (ctx.round or 1) > 1:
+        return None
+    from ballast import registry
+
+    published = registry.latest(ctx)
+    if published is None:
+        ctx.log.info("evaluation.warm_start: %s has published no model yet; starting from scratch", ctx.spec.name)
+        return None
+    fields = ("model", "input_shape", "num_classes", "hidden_size")
+    ours = run_config_model(ctx)
+    theirs = ModelConfig.model_validate(published.model_section).model_dump(include=set(fields))
+    if ours != theirs:
+        diff = ", ".join(f"{k} {theirs.get(k)!r} vs {ours.get(k)!r}" for k in fields if theirs.get(k) != ours.get(k))
+        raise ConfigError(f"{ctx.spec_file or ctx.spec.name}: evaluation.warm_start: the published model"
+                          f" {published.version} is another model than this spec trains ({diff}); set"
+                          f" warm_start: false for this change, or train the published architecture")
+    path = registry.weights(ctx, published, ctx.work_dir / "warm_start")
+    ctx.log.info("warm start from the published model %s (%s)", published.version, path)
+    return str(path)
+
+
+def _warmed_before(ctx: RunContext) -> str | None:
+    """An earlier try or round started from a published model: training still descends from it."""
+    found = sorted((ctx.work_dir / "warm_start").glob("*.pt")) if (ctx.work_dir / "warm_start").is_dir() else []
+    return found[-1].stem if found else None
+
+
+def run_config_model(ctx: RunContext) -> dict:
+    """The spec's model section as the trainer would build it (model, input_shape, num_classes, hidden_size)."""
+    cfg = run_config(ctx.spec, data_dir=".", data_format=ctx.spec.train_format, checkpoint_dir=".", output_dir=".")
+    return cfg.model.model_dump(include={"model", "input_shape", "num_classes", "hidden_size"})
+
+
 def _archive_failure_record(out_dir: Path) -> None:
     from training.failure import RECORD_NAME, read_record
 
@@ -172,7 +211,8 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) ->
                      output_dir=str(out_dir), micro_batch_size=micro,
                      data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0,
                      faults=rehearsal_faults(ctx, steps_planned(ctx)),
-                     epochs=ctx.round * spec.training.epochs_per_round if ctx.round else None)
+                     epochs=ctx.round * spec.training.epochs_per_round if ctx.round else None,
+                     init_weights=(init := _warm_start(ctx, ckpt_dir)))
     config_path = out_dir / "run.json"
     cfg.dump(config_path)
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
@@ -211,7 +251,8 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) ->
     return TrainResult(summary=str(out_dir / "summary.json"), checkpoint_dir=str(ckpt_dir),
                        best_checkpoint=summary["best_checkpoint"], last_checkpoint=summary["last_checkpoint"],
                        epochs=summary["epochs"], steps=summary["steps"], stopped_early=summary["stopped_early"],
-                       best=best, micro_batch_size=micro, uploaded_checkpoints=uploaded)
+                       best=best, micro_batch_size=micro, uploaded_checkpoints=uploaded,
+                       warm_started_from=Path(init).stem if init else _warmed_before(ctx))
 
 
 def upload_checkpoints(ctx: RunContext, ckpt_dir: Path) -> list[str]:
