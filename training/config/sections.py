@@ -184,6 +184,9 @@ class CheckpointSettings(Section):
     `normal`: the same priority as training."""
     resume_average_last: int = Field(0, ge=0, le=100)
     """On resume, start from the mean weights of the last N checkpoints (seed documents: 3); 0 = off."""
+    resume: bool = True
+    """Resume from the newest checkpoint that passes the gate; false: every try and every restart starts
+    from step 0 (what a run without checkpoints would do: the goodput benchmark's comparison)."""
 
 
 

@@ -15,6 +15,10 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from ballast.bench import train_runtime
 
         return getattr(train_runtime, f"bench_{name}")()
+    if name == "goodput":
+        from ballast.bench.goodput import bench_goodput
+
+        return bench_goodput(**({"mtbf": args.mtbf} if getattr(args, "mtbf", None) else {}))
     if name in ("convert", "read", "warmup"):
         from ballast.bench import data_plane
 

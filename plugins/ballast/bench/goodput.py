@@ -1,0 +1,302 @@
+"""`ballast bench goodput`: how much training time survives a stream of faults, through Airflow.
+
+Four runs of the same training (the digits pipeline, minutes of steps, 2 gloo ranks), each a DAG run
+through `dag.test()` in its own process, one after the other on this machine:
+
+    clean     no faults: the reference wall time and weights
+    faults    a rank SIGKILLed at random times (exponential, mean `mtbf` s: torchrun restarts the group
+              inside the try, `recovery.max_restarts`), plus one out-of-memory, one preemption, one
+              corrupted checkpoint and one NaN (rehearsal faults: each a new Airflow try)
+    exact     the same kills, preemption and corrupted checkpoint, without the OOM and the NaN (their
+              adaptations change the arithmetic: a smaller micro-batch, a skipped batch): final weights
+              compared bit for bit with `clean`
+    scratch   the `faults` run's faults with checkpoint.resume false (every restart and try from step
+              0), stopped at the `faults` run's wall time: useful progress within the same budget
+
+Effective training time ratio: clean wall / faults wall (train tasks, first start to last end); for
+scratch: (steps kept at the end / steps planned) x clean wall / budget. Per fault: detection (the fault
+to torchrun or the task noticing), restart (to the next completed step), the work lost since the last
+checkpoint, and Airflow's retry latency (a try's end to the next one's start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ballast.bench import target
+
+PER_EPOCH_STEPS = 21  # digits: 1,364 training rows / global batch 64
+
+
+def _spec(name: str, *, epochs: int, faults: list[dict], resume: bool = True) -> dict:
+    import yaml
+
+    d = yaml.safe_load((Path(__file__).resolve().parents[3] / "dags" / "specs" / "digits.yaml").read_text())
+    d["name"] = name
+    d["training"].update(epochs=epochs, checkpoint={"every_steps": 50, "keep_last": 3, "resume": resume},
+                         rehearsal={"faults": faults, "enabled": bool(faults)})
+    d["evaluation"].update(threshold=None, patience=100_000)
+    d["recovery"] = {"retry_delay_seconds": 0, "max_restarts": 50, "policy": {"unknown": 3}}
+    d["schedule"] = {}
+    d["overridable"] = []
+    return d
+
+
+def _scripted(total_steps: int, *, with_adaptations: bool) -> list[dict]:
+    """One preemption, one corrupted checkpoint (then a crash), and, with adaptations, one NaN and one
+    out-of-memory, spread over the run, each in its own Airflow try (the crash is a torchrun restart)."""
+    at = [int(total_steps * f) for f in (0.2, 0.4, 0.6, 0.8)]
+    faults = [{"kind": "sigterm", "step": at[0], "rank": 0, "on_try": 1},
+              {"kind": "corrupt", "step": at[1], "rank": 0, "on_try": 2}]
+    if with_adaptations:
+        faults += [{"kind": "nan", "step": at[2], "on_try": 2}, {"kind": "oom", "step": at[3], "rank": 1, "on_try": 3}]
+    return faults
+
+
+def _kill_times(mtbf: float, horizon: float, seed: int) -> list[float]:
+    rng, t, out = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(1.0 / mtbf)
+        if t >= horizon:
+            return out
+        out.append(round(t, 3))
+
+
+class Chaos(threading.Thread):
+    """SIGKILLs a random training rank at the given times (seconds after the run's first training step),
+    finding the ranks by the pid files the trainer writes (`pid-rank<R>`)."""
+
+    def __init__(self, runs_dir: Path, times: list[float], seed: int):
+        super().__init__(daemon=True, name="chaos")
+        self.runs_dir, self.times, self.rng = runs_dir, list(times), random.Random(seed + 1)
+        self.kills: list[dict[str, Any]] = []
+        self.stop = threading.Event()
+
+    def _out(self) -> Path | None:
+        found = sorted(self.runs_dir.glob("*/train/metrics.jsonl"))
+        return found[0].parent if found else None
+
+    def run(self) -> None:
+        t0 = None
+        while not self.stop.is_set() and self.times:
+            out = self._out()
+            if t0 is None:
+                t0 = _first_event_time(out, "first_step") if out else None
+                time.sleep(0.2)
+                continue
+            if time.time() - t0 < self.times[0]:
+                time.sleep(0.05)
+                continue
+            self.times.pop(0)
+            rank = self.rng.randrange(2)
+            try:
+                pid = int((out / f"pid-rank{rank}").read_text())
+                os.kill(pid, signal.SIGKILL)
+                self.kills.append({"time": time.time(), "rank": rank, "pid": pid, "step": _heartbeat(out)})
+            except (OSError, ValueError):
+                self.kills.append({"time": time.time(), "rank": rank, "pid": None, "missed": True})
+
+
+def _first_event_time(out: Path, name: str) -> float | None:
+    for e in _events(out):
+        if e.get("event") == name:
+            return float(e["time"])
+    return None
+
+
+def _events(out: Path) -> list[dict]:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass
+    return events
+
+
+def _heartbeat(out: Path) -> int | None:
+    try:
+        return int((out / "heartbeat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _run(root: Path, name: str, spec: dict, *, kill_times: list[float], seed: int,
+         budget: float | None = None) -> dict[str, Any]:
+    """One DAG run in its own process (killed at `budget` seconds of training, if given)."""
+    import yaml
+
+    dags = root / name / "dags"
+    (dags / "specs").mkdir(parents=True, exist_ok=True)
+    (dags / "specs" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    (dags / "pipelines.py").write_text("from pathlib import Path\nfrom ballast.render import build_dags\n"
+                                       "globals().update(build_dags(Path(__file__).parent / 'specs'))\n")
+    runs_dir = Path(os.environ["BALLAST_HOME"]) / "storage" / "runs" / f"ballast_{name}"
+    chaos = Chaos(runs_dir, kill_times, seed)
+    chaos.start()
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "ballast.bench.goodput", str(dags), f"ballast_{name}"],
+                            stdout=open(root / f"{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    stopped = False
+    while proc.poll() is None:
+        time.sleep(0.5)
+        out = chaos._out()
+        first = _first_event_time(out, "first_step") if out else None
+        if budget is not None and first is not None and time.time() - first > budget:
+            progress = _heartbeat(out)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_training(out)  # torchrun runs in a session of its own
+            stopped = True
+            break
+    proc.wait()
+    chaos.stop.set()
+    out = chaos._out()
+    result: dict[str, Any] = {"name": name, "seconds": round(time.time() - t0, 1), "kills": chaos.kills,
+                              "stopped_at_budget": stopped, "out": str(out) if out else None}
+    if stopped:
+        result["progress_steps"] = progress
+        return result
+    report_file = next(runs_dir.glob("*/report.json"), None)
+    result["report"] = json.loads(report_file.read_text()) if report_file else None
+    return result
+
+
+def _kill_training(out: Path) -> None:
+    try:
+        lease = json.loads((out / "lease.json").read_text())
+        os.killpg(int(lease["pgid"]), signal.SIGKILL)
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+def _train_wall(report: dict) -> float:
+    tries = [a for h in report["attempts"] for a in h["attempts"]]
+    return max(a["ended"] for a in tries) - min(a["started"] for a in tries)
+
+
+def _weights(report: dict):
+    from training import checkpoint as ckpt
+
+    return ckpt.load_tensors(Path(report["stages"]["train"]["last_checkpoint"]) / "model.pt")
+
+
+def _identical(a: dict, b: dict) -> tuple[bool, float]:
+    import torch
+
+    wa, wb = _weights(a), _weights(b)
+    same = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa) if wa.keys() == wb.keys() else float("inf")
+    return same, diff
+
+
+def _faults_timeline(run: dict) -> list[dict[str, Any]]:
+    """Per fault: when, what, and where its time went."""
+    out = Path(run["out"])
+    events = _events(out)
+    tries = [a for h in run["report"]["attempts"] for a in h["attempts"]]
+    timeline = []
+    for k in run["kills"]:
+        after = next((e for e in events if e.get("event") == "first_step" and e["time"] > k["time"]), None)
+        timeline.append({"fault": "rank SIGKILL (torchrun restart)", "at_step": k.get("step"),
+                         "seconds_to_next_step": round(after["time"] - k["time"], 2) if after else None,
+                         "resumed_at_step": after["step"] if after else None,
+                         "steps_lost": (k["step"] - after["step"] + 1) if after and k.get("step") else None})
+    for before, after in zip(tries, tries[1:]):
+        first = after.get("first_step_at")
+        timeline.append({
+            "fault": f"{before['failure_class']} (new Airflow try {after['try_number']})",
+            "at_step": before.get("step_reached"),
+            "seconds_to_next_step": round(first - (before["ended"] or before["started"]), 2) if first else None,
+            "resumed_at_step": after.get("resumed_step"),
+            "steps_lost": (before["step_reached"] - (after.get("resumed_step") or 0))
+            if before.get("step_reached") is not None else None,
+            "airflow_retry_latency_seconds": round(after["started"] - before["ended"], 2),
+            "restart_seconds": after.get("restart_seconds"),
+            "work_lost_seconds": round(before["lost_seconds"] - (before.get("restart_seconds") or 0), 2),
+        })
+    return timeline
+
+
+def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="ballast-goodput-"))
+    os.environ.update({"AIRFLOW_HOME": str(root / "airflow"), "BALLAST_HOME": str(root / "ballast"),
+                       "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "GX_ANALYTICS_ENABLED": "False"})
+    from ballast.demo import write_digits
+    from ballast.localrun import migrate_db
+    from ballast.storage import resolve_local
+
+    migrate_db()
+    write_digits(resolve_local("raw/digits"))
+    total = epochs * PER_EPOCH_STEPS
+    clean = _run(root, "clean", _spec("clean", epochs=epochs, faults=[]), kill_times=[], seed=seed)
+    clean_wall = _train_wall(clean["report"])
+    kills = _kill_times(mtbf, clean_wall * 1.5, seed)
+    faults = _run(root, "faults", _spec("faults", epochs=epochs, faults=_scripted(total, with_adaptations=True)),
+                  kill_times=kills, seed=seed)
+    faults_wall = _train_wall(faults["report"])
+    exact = _run(root, "exact", _spec("exact", epochs=epochs, faults=_scripted(total, with_adaptations=False)),
+                 kill_times=kills, seed=seed)
+    scratch = _run(root, "scratch", _spec("scratch", epochs=epochs, faults=_scripted(total, with_adaptations=True),
+                                           resume=False), kill_times=kills, seed=seed, budget=faults_wall)
+    ratio = clean_wall / faults_wall
+    scratch_progress = (scratch.get("progress_steps") or 0) / total if scratch["stopped_at_budget"] else 1.0
+    scratch_ratio = scratch_progress * clean_wall / faults_wall
+    same, diff = _identical(clean["report"], exact["report"])
+    _, diff_faults = _identical(clean["report"], faults["report"])
+    recovery = faults["report"]["recovery"]
+    recovered = all(r["report"] is not None and r["report"]["training"]["epochs"] == epochs for r in (faults, exact))
+    return {
+        "benchmark": "goodput", "mtbf_seconds": mtbf, "epochs": epochs, "steps": total, "seed": seed,
+        "clean_train_wall_seconds": round(clean_wall, 2), "faults_train_wall_seconds": round(faults_wall, 2),
+        "kills": len(faults["kills"]), "tries": recovery["tries"], "failures_by_class": recovery["failures_by_class"],
+        "report_effective_ratio": recovery["effective_ratio"], "report_lost_seconds": recovery["lost_seconds"],
+        "report_retry_wait_seconds": recovery["retry_wait_seconds"],
+        "scratch": {"progress_steps": scratch.get("progress_steps"), "of": total, "budget_seconds": round(faults_wall, 2),
+                    "ratio": round(scratch_ratio, 4)},
+        "exact_final_weights_identical": same, "exact_max_abs_diff": diff,
+        "faults_max_abs_diff_vs_clean": diff_faults,
+        "timeline": _faults_timeline(faults),
+        "targets": {
+            "effective_training_time_ratio": target(round(ratio, 4), 0.90, lower_is_better=False),
+            "ratio_vs_restart_from_scratch": target(round(ratio / max(scratch_ratio, 1e-9), 2), 3.0,
+                                                    lower_is_better=False),
+            "every_fault_recovered": {"value": recovered, "target": "true", "met": bool(recovered)},
+            "final_weights_bit_identical": {"value": same, "target": "true (crash, preemption, corrupted"
+                                            " checkpoint; OOM and NaN adapt the arithmetic)", "met": bool(same)},
+        },
+        "logs": str(root),
+    }
+
+
+def _main(dags: str, dag_id: str) -> int:
+    """Child process: parse `dags`, sync to the DB, run `dag_id` with dag.test()."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+
+    bag = DagBag(dags)
+    if bag.import_errors:
+        print(bag.import_errors, file=sys.stderr)
+        return 2
+    DagBundlesManager().sync_bundles_to_db()
+    sync_bag_to_db(bag, bundle_name="dags-folder", bundle_version=None)
+    dr = bag.dags[dag_id].test()
+    print(f"DAG run {dr.run_id}: {dr.state}")
+    return 0 if str(dr.state) == "success" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1], sys.argv[2]))
