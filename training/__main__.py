@@ -1,7 +1,10 @@
 """Entry point: `torchrun ... -m training --config run.json`.
 
 Exit codes follow training.failure.EXIT_CODES; on failure a failure.json record is written to the
-run's output directory.
+run's output directory, unless nobody reads this process's output any more: its task has died, the
+try is abandoned (its processes are being ended by their parent-death signals, training.launch), and
+what fails now (a write to the broken log pipe, a peer rank already gone) is not this try's failure.
+The next try would otherwise read it as one (a `communication` error, say) and adapt to it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (Exception, KeyboardInterrupt) as exc:
         cls = classify(exc)
+        from training.parentdeath import output_orphaned
+
+        if output_orphaned():
+            return EXIT_CODES[cls]  # no record, no message: nobody is left to read either
         step = trainer.step if trainer is not None else None
         if out_dir is not None:
             write_record(out_dir, exc, step=step, rank=rank)
@@ -51,4 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("BALLAST_PARENT_PID"):  # started by the orchestrator itself, without the launcher
+        import signal
+
+        from training.parentdeath import die_with_parent
+
+        die_with_parent(signal.SIGKILL, int(os.environ.pop("BALLAST_PARENT_PID")))
     sys.exit(main())

@@ -4,17 +4,54 @@ Same options, rendezvous and restart policy as `torchrun` (torch.distributed.run
 elastic agent), but workers are forked from a forkserver that imported torch and the trainer once.
 A plain torchrun starts every worker, and every restarted worker, as a fresh interpreter that imports
 torch again: seconds of a group restart on a busy machine. Here a restart forks a warm process.
+
+Nothing outlives the task that started it (see training.parentdeath for the mechanism):
+
+- The agent (this process), when the orchestrator names its pid in BALLAST_PARENT_PID, is sent SIGHUP
+  when that process dies. It stops as torch's agent stops on a signal (a SignalException): it sends
+  the same signal to its workers, which have no SIGHUP handler and end at once, without a checkpoint
+  or a failure record; then it ends its forkserver and exits 129 at once (an interpreter that imported
+  torch takes a second or two to tear down, and nobody is left to wait for it). SIGHUP rather than
+  SIGTERM because SIGTERM is the trainers' preemption notice: forwarded, it would have every rank try to
+  agree on and commit a checkpoint for up to `recovery.preempt_grace_seconds` (a rank whose peer had
+  already gone waited that long) for a try whose orchestrator is gone. The next try resumes from the
+  last committed checkpoint, and an uncommitted one is never trusted, so ending without one loses only
+  the steps since. SIGKILL for the agent would leave the ranks to their own parent-death signals a
+  moment later, and the multiprocessing resource tracker no chance to clean up; SIGHUP keeps the
+  agent's orderly path. The SIGHUP handler is ours, not torch's, because it must act once: the kernel
+  sends the parent-death signal again as each remaining thread of a dying multi-threaded parent exits
+  (the task relays the log on a thread), and torch's handler, raising again in the middle of the
+  shutdown, turned it into a second shutdown by SIGTERM, with a 30 s wait.
+- Each rank (`worker`, forked by the forkserver) is sent SIGKILL when its parent dies. The forkserver
+  dies with the agent (training.forkserver_guard), so a rank whose agent died for any reason, SIGKILL
+  included, ends with it instead of training on unsupervised. The forkserver ignores SIGTERM, so that a
+  SIGTERM to the whole group reaches the ranks as the preemption notice it is, not as their end.
+- A rank's loader workers die with the rank the same way (training.dataset.loader).
+
+The orchestrator's lease (ballast.supervise) is the second line: the next try ends whatever a
+previous try left in its process group before starting.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import sys
 import uuid
+
+PARENT_ENV = "BALLAST_PARENT_PID"  # set by the orchestrator: the process whose death ends this launch
+AGENT_ENV = "BALLAST_AGENT_PID"  # set here, for the workers: the agent their forkserver belongs to
 
 
 def worker(*argv: str) -> None:
     """One rank: what `python -m training --config F` does, inside a forked worker."""
+    from training.parentdeath import die_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it (training.forkserver_guard)
+    # The parent is the forkserver; it must still be the agent's (it exits when the agent does).
+    agent = os.environ.get(AGENT_ENV)
+    die_with_parent(signal.SIGKILL, grandparent=int(agent) if agent else None)
     from training.__main__ import main
 
     code = main(list(argv))
@@ -23,6 +60,15 @@ def worker(*argv: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent:  # bound now, importing torch takes seconds: until the handler below, SIGHUP simply ends us
+        from training.parentdeath import die_with_parent
+
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not an inherited SIG_IGN (nohup)
+        die_with_parent(signal.SIGHUP, int(parent))
+    os.environ[AGENT_ENV] = str(os.getpid())
+
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
@@ -38,12 +84,41 @@ def main(argv: list[str] | None = None) -> None:
         args.master_port = 29500
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
-    multiprocessing.set_forkserver_preload(["training.worker_preload"])
+    if parent:
+        config.signals_to_handle = ",".join(s for s in config.signals_to_handle.split(",") if s.strip() != "SIGHUP")
+
+        def on_parent_death(signum, frame):
+            signal.signal(signum, signal.SIG_IGN)  # once (see the module docstring)
+            raise SignalException(f"process {os.getpid()}: its parent {parent} died", sigval=signal.Signals(signum))
+
+        signal.signal(signal.SIGHUP, on_parent_death)
+    multiprocessing.set_forkserver_preload(["training.forkserver_guard", "training.worker_preload"])
     try:
         elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
     except ChildFailedError as exc:  # as torchrun: a summary of the failed ranks, exit 1
         print(exc.format_msg(), file=sys.stderr)
         raise SystemExit(1) from None
+    except SignalException as exc:  # the agent has already ended its workers with the same signal
+        if parent and exc.sigval == signal.SIGHUP:
+            _end_forkserver()
+            os._exit(128 + signal.SIGHUP)
+        raise SystemExit(128 + int(exc.sigval)) from None
+    finally:
+        _end_forkserver()
+
+
+def _end_forkserver() -> None:
+    """SIGKILL the forkserver once the workers are gone: left to itself it exits when it notices this
+    process has, after a second or two tearing down the torch it imported, and the supervisor waits for
+    the whole process group to be gone."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 if __name__ == "__main__":

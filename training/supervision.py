@@ -8,6 +8,13 @@ preemption notice.
 - SIGTERM (spot reclaim, node drain): noted for the training loop, which agrees on it with the other
   ranks and commits a checkpoint; past `recovery.preempt_grace_seconds` the process ends with the
   preempted code and the last committed checkpoint stands.
+
+SIGTERM is only ever a preemption notice (the orchestrator sends it too when it ends a stalled group or
+one whose cache warm-up failed, where a checkpoint is worth having). A cancel SIGKILLs the whole
+process group instead (ballast.supervise), and a task that dies takes its ranks with it by their
+parent-death signals (training.launch), so a rank never waits out the grace for a peer, or an agent,
+that is already gone. Should the grace still expire after the task that reads this try has died
+(nobody reads the output any more), the rank ends without a record: the try is abandoned, not preempted.
 """
 
 from __future__ import annotations
@@ -65,6 +72,10 @@ class Supervision:
             timer.start()
 
     def _grace_expired(self) -> None:
+        from training.parentdeath import output_orphaned
+
+        if output_orphaned():
+            os._exit(EXIT_CODES["preempted"])
         write_record(self.out, Preempted(f"SIGTERM grace period of {self.preempt_grace:.0f}s expired before a"
                                          f" checkpoint was committed"), step=self.step(), rank=self.rank)
         os._exit(EXIT_CODES["preempted"])

@@ -1,6 +1,14 @@
 """The full local Airflow stack on the embedded default: API server (with the UI), scheduler and DAG
 processor as three processes on SQLite with the LocalExecutor. Used by `ballast ui` and by the tests
 that trigger runs through the real REST API.
+
+Each Airflow process leads its own process group (so a terminal's Ctrl-C reaches `ballast ui` alone,
+which then stops them in order); `stop` signals each whole group, so their own children (API server
+workers, the LocalExecutor's task processes) go too. `serve` (`ballast ui`) stops the stack on SIGTERM,
+SIGHUP and SIGINT alike (a second signal SIGKILLs what is left) and exits 128 + the signal's number (0
+for Ctrl-C). For a SIGKILL, which nothing can catch, `bind_to_parent` starts each Airflow process
+through `python -m training.parentdeath`, which sets its parent-death signal (SIGTERM) and execs
+Airflow: Airflow's own SIGTERM handling then ends its children.
 """
 
 from __future__ import annotations
@@ -20,8 +28,15 @@ from ballast.localrun import configure_env, migrate_db
 
 
 class LocalStack:
-    def __init__(self, port: int = 8080, *, log_dir: Path | None = None, extra_env: dict[str, str] | None = None):
+    def __init__(self, port: int = 8080, *, log_dir: Path | None = None, extra_env: dict[str, str] | None = None,
+                 airflow: list[str] | None = None, bind_to_parent: bool = False):
+        """`airflow`: the command that runs Airflow (default this interpreter's `-m airflow`; a test may
+        put a stand-in there). `bind_to_parent`: Airflow's processes get SIGTERM when this process dies;
+        only for a caller that starts and waits on one thread (the parent-death signal follows the
+        thread that started the process: see training.parentdeath)."""
         configure_env()
+        self.airflow = list(airflow) if airflow else [sys.executable, "-m", "airflow"]
+        self.bind_to_parent = bind_to_parent
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         self.log_dir = Path(log_dir or Path(os.environ["AIRFLOW_HOME"]) / "stack-logs")
@@ -38,23 +53,35 @@ class LocalStack:
         })
         self.env.update(extra_env or {})
         self.procs: list[subprocess.Popen] = []
+        self.names: dict[int, str] = {}
         self._token: str | None = None
 
     def start(self, timeout: float = 180.0) -> LocalStack:
-        migrate_db()
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()  # a signal or an error half way: nothing started may stay behind
+            raise
+
+    def _start(self, timeout: float) -> LocalStack:
+        if self.airflow == [sys.executable, "-m", "airflow"]:
+            migrate_db()
+        else:
+            subprocess.run(self.airflow + ["db", "migrate"], env=self.env, check=True, capture_output=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        airflow = [sys.executable, "-m", "airflow"]
+        wrap = ([sys.executable, "-m", "training.parentdeath", "--parent", str(os.getpid()), "--signal", "TERM", "--"]
+                if self.bind_to_parent else [])
         for name, args in (("api-server", ["api-server", "--port", str(self.port), "--host", "127.0.0.1"]),
                            ("scheduler", ["scheduler"]), ("dag-processor", ["dag-processor"])):
-            log = open(self.log_dir / f"{name}.log", "ab")
-            self.procs.append(subprocess.Popen(airflow + args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+            with open(self.log_dir / f"{name}.log", "ab") as log:
+                self.procs.append(subprocess.Popen(wrap + self.airflow + args, env=self.env, stdout=log,
+                                                   stderr=subprocess.STDOUT, start_new_session=True))
+            self.names[self.procs[-1].pid] = name
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for p in self.procs:
                 if p.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"an Airflow process exited ({p.args[3]}, code {p.returncode});"
+                    raise RuntimeError(f"an Airflow process exited ({self.names.get(p.pid)}, code {p.returncode});"
                                        f" see {self.log_dir}")
             try:
                 health = self.request("GET", "/api/v2/monitor/health")
@@ -63,22 +90,39 @@ class LocalStack:
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(1)
-        self.stop()
         raise TimeoutError(f"Airflow did not become healthy on {self.base} within {timeout:.0f}s; see {self.log_dir}")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to each process's whole group; SIGKILL to a group whose leader outlasts `timeout`, and
+        to what is left of every group once its leader has gone."""
         for p in self.procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                self._signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
         for p in self.procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                self._signal(p, signal.SIGKILL)
+                p.wait()
+        from ballast.supervise import group_members
+
+        for p in self.procs:  # its children: gone with it, or ended now (a group with members keeps its id)
+            if group_members(p.pid):
+                self._signal(p, signal.SIGKILL)
         self.procs.clear()
+
+    def kill(self) -> None:
+        """SIGKILL every group at once (a second stop signal while stopping)."""
+        for p in self.procs:
+            self._signal(p, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(p: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def __enter__(self) -> LocalStack:
         return self.start()
@@ -151,14 +195,44 @@ class LocalStack:
         return "\n".join(e.get("event", "") if isinstance(e, dict) else str(e) for e in content)
 
 
-def serve(port: int) -> int:
-    stack = LocalStack(port)
-    print(f"starting Airflow on {stack.base} (AIRFLOW_HOME={os.environ['AIRFLOW_HOME']}, logs in {stack.log_dir})")
-    with stack:
-        print(f"ready: open {stack.base} ; Ctrl-C stops the API server, scheduler and DAG processor")
-        try:
-            while all(p.poll() is None for p in stack.procs):
-                time.sleep(2)
-        except KeyboardInterrupt:
-            pass
-    return 0
+class _Stop(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def serve(port: int, **stack_options: Any) -> int:
+    """`ballast ui`: the stack until a signal (SIGINT, SIGTERM, SIGHUP) or one of its processes exits.
+    Returns 0 after Ctrl-C, 128 + the signal's number after SIGTERM or SIGHUP, 1 if a process exited."""
+    stack = LocalStack(port, bind_to_parent=True, **stack_options)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        if stopping:  # asked again while stopping: no more waiting
+            stack.kill()
+            return
+        stopping = True
+        raise _Stop(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    print(f"starting Airflow on {stack.base} (AIRFLOW_HOME={os.environ['AIRFLOW_HOME']}, logs in {stack.log_dir})",
+          flush=True)
+    code = 0
+    try:
+        stack.start()
+        print(f"ready: open {stack.base} ; Ctrl-C stops the API server, scheduler and DAG processor", flush=True)
+        while all(p.poll() is None for p in stack.procs):
+            time.sleep(2)
+        exited = next(p for p in stack.procs if p.poll() is not None)
+        print(f"{stack.names.get(exited.pid)} exited (code {exited.returncode}); stopping the rest;"
+              f" see {stack.log_dir}", file=sys.stderr)
+        code = 1
+    except _Stop as stop:
+        code = 0 if stop.signum == signal.SIGINT else 128 + stop.signum
+    finally:
+        stopping = True
+        print("stopping the API server, scheduler and DAG processor", flush=True)
+        stack.stop()
+    return code

@@ -9,7 +9,9 @@ batches. This is the only module of the package that imports torch.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -38,6 +40,45 @@ class Spans(IterableDataset):
         for b, rows in spans[wid::k]:
             x, y = read_block(data_dir, blocks[b], fmt, decoder, label, wait)
             yield torch.from_numpy(np.ascontiguousarray(x[rows])), torch.from_numpy(np.ascontiguousarray(y[rows]))
+
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def _start(loader: DataLoader) -> Iterator[Any]:
+    """iter(loader), which forks the workers, with SIGTERM and SIGINT blocked on this thread meanwhile:
+    a worker inherits the mask, so a group's signal arriving between its fork and its init function
+    (in which it still had the rank's handlers, then torch's) waits there to be discarded. The rank
+    itself still gets the signal, through another thread, or here once unblocked. Only for forked
+    workers, whose init function unblocks them (a spawned worker would keep the mask for good)."""
+    if loader.worker_init_fn is None:
+        return iter(loader)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _init_forked_worker(rank_pid: int, worker_id: int) -> None:
+    """In a forked loader worker: live and die with the rank, quietly, and drop the rank's sockets.
+
+    - SIGKILL when the rank dies (training.parentdeath): at once, where DataLoader's own check of its
+      parent notices only within 5 s;
+    - SIGTERM and SIGINT ignored: a worker's life is its rank's. A signal to the whole process group (a
+      preemption notice, an interrupt) reached the workers too; dying of it, they had the rank fail
+      ("DataLoader worker ... exited unexpectedly", printed with tracebacks) instead of committing its
+      preemption checkpoint. The rank's own shutdown of its workers does not need the signal: they end
+      on the loader's end-of-work message, or with the rank. The worker starts with both blocked
+      (`_start`), so one sent before this point waits, and is discarded by SIG_IGN here.
+    """
+    from training.parentdeath import die_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    die_with_parent(signal.SIGKILL, rank_pid)
+    _drop_inherited_sockets(worker_id)
 
 
 def _drop_inherited_sockets(_worker_id: int) -> None:
@@ -95,13 +136,15 @@ class EpochLoader:
         # by the forkserver, they outlived a killed rank and held torchrun's output open. A forked worker
         # drops its copies of the rank's network sockets first: holding them, it kept a SIGKILLed rank's
         # gloo connections open until it noticed the death (5 s), and the other ranks waited that long.
+        # It also ends the moment the rank does, and ignores the group's SIGTERM (_init_forked_worker).
         context = "fork" if sys.platform == "linux" and workers else None
+        init = partial(_init_forked_worker, os.getpid()) if context == "fork" else None
         loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                             prefetch_factor=self.prefetch if workers else None, multiprocessing_context=context,
-                            worker_init_fn=_drop_inherited_sockets if context == "fork" else None,
+                            worker_init_fn=init,
                             generator=torch.Generator().manual_seed(self.seed + epoch))
         xs, ys, have = [], [], 0
-        for x, y in loader:
+        for x, y in _start(loader):
             xs.append(x)
             ys.append(y)
             have += len(y)
