@@ -32,13 +32,24 @@ def _task_states(dr) -> dict[str, tuple[str, int]]:
 def test_each_class_adapts_the_next_try_and_the_report_sums_the_tries(airflow_db, digits_raw, tmp_path):
     faults = [{"kind": "oom", "step": 5, "rank": 0, "on_try": 1},
               {"kind": "sigterm", "step": 25, "rank": 0, "on_try": 2},
-              {"kind": "comm", "step": 45, "rank": 0, "on_try": 3}]
-    dr, ctx = run_spec_dag(tmp_path, lambda d: _fast(d, faults, on_demand_after_preemptions=1),
-                           conf={"rehearsal": True})
+              {"kind": "comm", "step": 45, "rank": 0, "on_try": 3},
+              {"kind": "nan", "step": 55, "on_try": 4},
+              {"kind": "hang", "step": 65, "rank": 1, "on_try": 5}]
+
+    def edit(d):
+        _fast(d, faults, on_demand_after_preemptions=1, policy={"hang": 1})
+        d["execution"]["hang_timeout_seconds"] = 6
+
+    dr, ctx = run_spec_dag(tmp_path, edit, conf={"rehearsal": True})
     assert str(dr.state) == "success", _task_states(dr)
     tries = history.load(ctx, "train").attempts
     assert [(a.try_number, a.outcome, a.failure_class) for a in tries] == [
-        (1, "failed", "oom"), (2, "failed", "preempted"), (3, "failed", "communication"), (4, "success", None)]
+        (1, "failed", "oom"), (2, "failed", "preempted"), (3, "failed", "communication"), (4, "failed", "divergence"),
+        (5, "failed", "hang"), (6, "success", None)]
+    # Divergence: the next try resumes from the last good state, checkpointed before the poisoned batch.
+    assert tries[4].resumed_step == 54 and "offending batches skipped" in tries[4].adaptation[0]
+    assert json.loads((ctx.work_dir / "train" / "summary.json").read_text())["skipped_batches"] == [[2, 12]]
+    assert tries[5].settings["avoid_hosts"] == [socket.gethostname()]  # the hang's host too (already there)
     # Out of memory: the micro-batch halves, accumulation doubles, the global batch stays 64.
     assert "micro-batch 32 -> 16" in tries[1].adaptation[0] and "global batch 64 kept" in tries[1].adaptation[0]
     run = json.loads((ctx.work_dir / "train" / "run.json").read_text())
@@ -55,13 +66,14 @@ def test_each_class_adapts_the_next_try_and_the_report_sums_the_tries(airflow_db
     assert all(a.ended is not None and a.ended >= a.started for a in tries)
     assert tries[0].step_reached is not None and tries[0].exit_code is not None
     report = ctx.report()
-    assert report.recovery.failures_by_class == {"oom": 1, "preempted": 1, "communication": 1}
-    assert report.recovery.tries == 4 and 0 < report.recovery.effective_ratio <= 1
-    assert report.recovery.mtbf_seconds == pytest.approx(report.recovery.wall_seconds / 3, rel=1e-3)
+    assert report.recovery.failures_by_class == {"oom": 1, "preempted": 1, "communication": 1, "divergence": 1,
+                                                 "hang": 1}
+    assert report.recovery.tries == 6 and 0 < report.recovery.effective_ratio <= 1
+    assert report.recovery.mtbf_seconds == pytest.approx(report.recovery.wall_seconds / 5, rel=1e-3)
     assert report.recovery.lost_seconds > 0
     card = json.loads(ctx.storage.read_bytes(report.model_card.split(str(ctx.storage.uri).rstrip("/") + "/")[-1]))
     assert card["lineage"]["dataset_id"] == report.stages.convert.dataset_id
-    assert len(card["lineage"]["attempts"][0]["attempts"]) == 4
+    assert len(card["lineage"]["attempts"][0]["attempts"]) == 6
 
 
 @pytest.mark.e2e
@@ -86,12 +98,14 @@ def test_a_user_error_fails_at_once_and_a_corrupted_checkpoint_is_quarantined(ai
     assert _task_states(dr)["train"] == ("failed", 2)  # the bug is not retried (user_code budget 0)
     tries = history.load(ctx, "train").attempts
     assert [a.failure_class for a in tries] == ["unknown", "user_code"]  # a SIGKILL without a record: unknown
+    # The newest committed checkpoint at step 35 (step 30's, or the epoch end's at 21 if the background
+    # writer had not committed 30 yet) was damaged on disk; the next try's gate moved it aside.
     quarantined = list((ctx.work_dir / "checkpoints" / "quarantine").iterdir())
-    assert [q.name for q in quarantined] == ["step-00000030"]
+    assert len(quarantined) == 1
     reason = json.loads((quarantined[0] / "QUARANTINED.json").read_text())
-    assert "sha256 does not match" in reason["reason"] and reason["step"] == 30
-    assert tries[1].resumed_from == "step-00000020"  # the one before the damaged checkpoint
+    assert "sha256 does not match" in reason["reason"] and reason["step"] in (21, 30)
     assert (quarantined[0] / "model.pt").exists()  # nothing deleted
+    assert tries[1].resumed_step is not None and reason["step"] - 21 <= tries[1].resumed_step < reason["step"]
 
 
 # --- the policy and the spec, in process ----------------------------------------------------------------

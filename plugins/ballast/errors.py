@@ -52,6 +52,10 @@ class StorageError(BallastError):
     """Reading or writing the pipeline's storage failed."""
 
 
+class Cancelled(BallastError):
+    """The task was stopped while training ran (marked failed, timed out): a cancel, not a failure."""
+
+
 class QualityGateError(BallastError):
     """The evaluated model did not reach the spec's publish threshold."""
 
@@ -95,7 +99,7 @@ def retry_helps(exc: BaseException, recovery=None) -> bool:
     """Whether a new try may get past `exc` under `recovery` (a RecoverySpec; default the defaults):
     its class has a retry budget. A model below the publish threshold never does: a retry trains
     nothing new."""
-    if isinstance(exc, QualityGateError):
+    if isinstance(exc, (QualityGateError, Cancelled)):
         return False
     if recovery is None:
         from ballast.spec.recovery import RecoverySpec  # not at import: the spec package imports this one

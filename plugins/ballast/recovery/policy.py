@@ -70,10 +70,12 @@ class StageRetryPolicy(RetryPolicy):
 
     def evaluate(self, exception: BaseException, try_number: int, max_tries: int,
                  context: Any = None) -> RetryDecision:
-        from ballast.errors import QualityGateError, failure_class
+        from ballast.errors import Cancelled, QualityGateError, failure_class
 
         if isinstance(exception, QualityGateError):  # a new try trains nothing new
             return RetryDecision.fail(f"{self.stage}: below the publish threshold; not retried")
+        if isinstance(exception, Cancelled):
+            return RetryDecision.fail(f"{self.stage}: cancelled; not retried")
         cls = failure_class(exception)
         store = context.get("task_state_store") if context is not None else None
         failures = dict(store.get(FAILURES_KEY) or {}) if store is not None else {}

@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import deque
 from pathlib import Path
 
 from ballast.context import RunContext
-from ballast.errors import BallastError, ConfigError, LaunchError, SpecError, failure_class, training_error
+from ballast.errors import Cancelled, ConfigError, LaunchError, SpecError, failure_class, training_error
 from ballast.launch_spec import run_config, torchrun_argv
 from ballast.records import BestValidation, RoundResult, TrainResult
 from ballast.recovery import adapt, history
 from ballast.recovery.policy import FAILURES_KEY, decide
-from ballast.supervise import supervise
+from ballast.supervise import end_leftovers, supervise, was_cancelled
 
 
 def run(ctx: RunContext) -> TrainResult:
@@ -52,7 +53,8 @@ def run(ctx: RunContext) -> TrainResult:
     try:
         result = _train(ctx, cache, out_dir, ckpt_dir, settings.micro_batch_size)
     except BaseException as exc:
-        cancelled = not isinstance(exc, Exception)  # the task is being stopped (SIGTERM -> on_kill)
+        # The task is being stopped (SIGTERM -> on_kill, an interrupt) or training was cancelled under it.
+        cancelled = isinstance(exc, Cancelled) or not isinstance(exc, Exception) or was_cancelled(out_dir)
         done = history.finish(attempt, out_dir, ckpt_dir, outcome="cancelled" if cancelled else "failed",
                               failure_class=None if cancelled else failure_class(exc),
                               reason=" ".join(str(exc).split()) or type(exc).__name__,
@@ -84,9 +86,7 @@ def _after_previous_round(ctx: RunContext) -> adapt.TrySettings | None:
 def _close_earlier_try(ctx: RunContext, hist, out_dir: Path, ckpt_dir: Path):
     """End what an earlier try left running; complete its record if it was killed before writing it,
     and count its failure against its class's budget (the retry policy never saw it)."""
-    from ballast import supervise as sup
-
-    lease = sup.end_leftovers(out_dir, ctx.log) if hasattr(sup, "end_leftovers") else None
+    lease = end_leftovers(out_dir, ctx.log)
     hist, closed = history.close_unfinished(hist, out_dir, ckpt_dir, lease=lease)
     if closed is None:
         return hist
@@ -220,28 +220,19 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) ->
     # The trainer's own watchdog (same timeout) fires first and classifies the hang; this outer guard
     # catches what it cannot see, such as a group stuck in rendezvous before the first step.
     warmer = _Warmer(ctx) if cache.pending_phases else None
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
     try:
         rc, hung = supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60,
-                             abort=(lambda: warmer.error) if warmer else None)
+                             abort=(lambda: warmer.error) if warmer else None, try_number=ctx.try_number,
+                             tail=tail)
     finally:
         if warmer:
             warmer.join()
     if warmer and warmer.error:
         raise warmer.error  # a damaged shard or a full disk: training could not have finished on this cache
     if rc != 0:
-        record = read_record(out_dir)
-        if hung:
-            err: BallastError = LaunchError(f"training hung: no progress for {spec.execution.hang_timeout_seconds:.0f}s;"
-                                            f" ended (execution.hang_timeout_seconds)", failure_class="hang")
-        elif record is None:
-            err = LaunchError(f"torchrun exited {rc} without a failure record (killed? see the log above)",
-                              failure_class="unknown")
-        else:
-            err = training_error(f"training failed on rank {record['rank']} at step {record['step']}:"
-                                 f" {record['exception']} (class {record['class']}, exit code"
-                                 f" {record['exit_code']})", record["class"])
-        err.exit_code, err.host = rc, (record or {}).get("host")  # for the attempt record
-        raise err
+        raise _failure(spec, rc, read_record(out_dir), "\n".join(tail), hung=hung,
+                       cancelled=was_cancelled(out_dir))
     summary = json.loads((out_dir / "summary.json").read_text())
     uploaded = upload_checkpoints(ctx, ckpt_dir)
     best = BestValidation.model_validate(summary["best"]) if summary["best"] else None
@@ -253,6 +244,30 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) ->
                        epochs=summary["epochs"], steps=summary["steps"], stopped_early=summary["stopped_early"],
                        best=best, micro_batch_size=micro, uploaded_checkpoints=uploaded,
                        warm_started_from=Path(init).stem if init else _warmed_before(ctx))
+
+
+TAIL_LINES = 200  # torchrun's last lines, read for known error messages when a try fails
+
+
+def _failure(spec, rc: int, record: dict | None, log_tail: str, *, hung: bool, cancelled: bool) -> BaseException:
+    """The error a failed try ends with: its class from the failure record, torchrun's exit and the
+    log's last lines, through the one table of known messages (training.failure_patterns)."""
+    from training.failure_patterns import CANCELLED, classify_exit
+
+    outcome = classify_exit(rc, record=record, log_tail=log_tail, hung=hung, cancelled=cancelled)
+    if outcome.failure_class == CANCELLED:
+        return Cancelled(f"training cancelled (torchrun exit {rc})")
+    if hung and record is None:
+        message = (f"training hung: no progress for {spec.execution.hang_timeout_seconds:.0f}s; ended"
+                   f" (execution.hang_timeout_seconds)")
+    elif record is not None:
+        message = (f"training failed on rank {record['rank']} at step {record['step']}: {record['exception']}"
+                   f" (class {outcome.failure_class}: {outcome.reason}; exit code {record['exit_code']})")
+    else:
+        message = f"torchrun exited {rc}: {outcome.reason}" + (f" [{outcome.line.strip()}]" if outcome.line else "")
+    err = training_error(message, outcome.failure_class)
+    err.exit_code, err.host = rc, (record or {}).get("host")  # for the attempt record
+    return err
 
 
 def upload_checkpoints(ctx: RunContext, ckpt_dir: Path) -> list[str]:
