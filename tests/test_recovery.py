@@ -34,7 +34,8 @@ def test_each_class_adapts_the_next_try_and_the_report_sums_the_tries(airflow_db
               {"kind": "sigterm", "step": 25, "rank": 0, "on_try": 2},
               {"kind": "comm", "step": 45, "rank": 0, "on_try": 3},
               {"kind": "nan", "step": 55, "on_try": 4},
-              {"kind": "hang", "step": 65, "rank": 1, "on_try": 5}]
+              {"kind": "hang", "step": 65, "rank": 1, "on_try": 5},
+              {"kind": "ecc", "step": 70, "rank": 0, "on_try": 6}]
 
     def edit(d):
         _fast(d, faults, on_demand_after_preemptions=1, policy={"hang": 1})
@@ -45,11 +46,12 @@ def test_each_class_adapts_the_next_try_and_the_report_sums_the_tries(airflow_db
     tries = history.load(ctx, "train").attempts
     assert [(a.try_number, a.outcome, a.failure_class) for a in tries] == [
         (1, "failed", "oom"), (2, "failed", "preempted"), (3, "failed", "communication"), (4, "failed", "divergence"),
-        (5, "failed", "hang"), (6, "success", None)]
+        (5, "failed", "hang"), (6, "failed", "hardware"), (7, "success", None)]
     # Divergence: the next try resumes from the last good state, checkpointed before the poisoned batch.
     assert tries[4].resumed_step == 54 and "offending batches skipped" in tries[4].adaptation[0]
     assert json.loads((ctx.work_dir / "train" / "summary.json").read_text())["skipped_batches"] == [[2, 12]]
     assert tries[5].settings["avoid_hosts"] == [socket.gethostname()]  # the hang's host too (already there)
+    assert "uncorrectable ECC error" in tries[5].reason and tries[5].exit_code == 1
     # Out of memory: the micro-batch halves, accumulation doubles, the global batch stays 64.
     assert "micro-batch 32 -> 16" in tries[1].adaptation[0] and "global batch 64 kept" in tries[1].adaptation[0]
     run = json.loads((ctx.work_dir / "train" / "run.json").read_text())
@@ -67,13 +69,13 @@ def test_each_class_adapts_the_next_try_and_the_report_sums_the_tries(airflow_db
     assert tries[0].step_reached is not None and tries[0].exit_code is not None
     report = ctx.report()
     assert report.recovery.failures_by_class == {"oom": 1, "preempted": 1, "communication": 1, "divergence": 1,
-                                                 "hang": 1}
-    assert report.recovery.tries == 6 and 0 < report.recovery.effective_ratio <= 1
-    assert report.recovery.mtbf_seconds == pytest.approx(report.recovery.wall_seconds / 5, rel=1e-3)
+                                                 "hang": 1, "hardware": 1}
+    assert report.recovery.tries == 7 and 0 < report.recovery.effective_ratio <= 1
+    assert report.recovery.mtbf_seconds == pytest.approx(report.recovery.wall_seconds / 6, rel=1e-3)
     assert report.recovery.lost_seconds > 0
     card = json.loads(ctx.storage.read_bytes(report.model_card.split(str(ctx.storage.uri).rstrip("/") + "/")[-1]))
     assert card["lineage"]["dataset_id"] == report.stages.convert.dataset_id
-    assert len(card["lineage"]["attempts"][0]["attempts"]) == 6
+    assert len(card["lineage"]["attempts"][0]["attempts"]) == 7
 
 
 @pytest.mark.e2e
@@ -268,3 +270,47 @@ def test_publish_if_better_both_ways_and_a_warm_start_from_the_published_model(a
     assert warm.value == pytest.approx(good.value, abs=0.02) and warm.value > worse.value + 0.3
     card = json.loads(ctx.storage.read_bytes(f"models/registry/{good.published_version}/model_card.json"))
     assert card["lineage"]["warm_started_from"] is None and card["lineage"]["dataset_id"]
+
+
+# --- the verification gate ----------------------------------------------------------------------------------
+
+
+def _checkpoint(root, step: int, weights):
+    from training import checkpoint as ckpt
+
+    w = ckpt.Writer(root, step, rank=0, barrier=lambda: None)
+    w.begin()
+    w.write_tensors("model.pt", weights)
+    w.write_json("trainer.json", {"step": step})
+    return w.commit()
+
+
+@pytest.mark.unit
+def test_the_gate_quarantines_what_fails_and_the_one_before_takes_its_place(tmp_path):
+    import torch
+
+    from training import checkpoint as ckpt
+    from training.checkpoint import gate
+
+    good = _checkpoint(tmp_path, 10, {"w": torch.ones(3)})
+    nan = _checkpoint(tmp_path, 20, {"w": torch.tensor([1.0, float("nan"), 2.0])})
+    probed = _checkpoint(tmp_path, 30, {"w": torch.ones(3)})
+    logged = []
+    # A forward pass that diverges on step 30's weights; step 20 holds a NaN; step 10 passes.
+    probe = lambda path, weights: float("inf") if path.name == probed.name else 0.5  # noqa: E731
+    assert gate.latest_passing(tmp_path, probe=probe, log=logged.append) == good
+    reasons = {q["checkpoint"]: q["reason"] for q in gate.quarantined(tmp_path)}
+    assert set(reasons) == {"step-00000020", "step-00000030"}
+    assert "non-finite values in w" in reasons["step-00000020"]
+    assert "a forward pass on a held-out batch gives loss inf" in reasons["step-00000030"]
+    assert (tmp_path / "quarantine" / "step-00000020" / "model.pt").exists()  # moved, not deleted
+    assert [p.name for p in ckpt.committed(tmp_path)] == ["step-00000010"] and len(logged) == 2
+    # The step must not go back behind what an earlier stage verified: older checkpoints stay put.
+    assert gate.latest_passing(tmp_path, min_step=15, log=logged.append) is None
+    assert good.exists()
+    w = ckpt.Writer(tmp_path, 40, rank=0, barrier=lambda: None)  # committed with another step inside
+    w.begin()
+    w.write_tensors("model.pt", {"w": torch.ones(3)})
+    w.write_json("trainer.json", {"step": 12})
+    with pytest.raises(ckpt.CheckpointFailure, match="trainer.json records step 12, the directory says 40"):
+        gate.check(w.commit())

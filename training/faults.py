@@ -80,6 +80,8 @@ class Injector:
             raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} (fault injection)")
         elif fault.kind == "error":
             raise RuntimeError(f"injected error at step {step} (fault injection)")
+        elif fault.kind == "ecc":  # CUDA's own words; classified hardware by training.failure_patterns
+            raise RuntimeError(f"CUDA error: uncorrectable ECC error encountered (injected at step {step})")
         elif fault.kind == "comm":
             raise RuntimeError(f"Gloo connectFullMesh failed: injected communication failure at step {step}")
         elif fault.kind == "hang":

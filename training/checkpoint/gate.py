@@ -99,6 +99,9 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
     quarantined (or only skipped, with `quarantine_failures=False`: the trainer's ranks read, the
     orchestrator moves)."""
     for path in reversed(committed(root)):
+        if min_step is not None and _step_of(path) < min_step:
+            log(f"no checkpoint at or after step {min_step} passes the gate; {path.name} and older are behind it")
+            return None  # older ones are not damaged, only too old: left where they are
         try:
             check(path, probe=probe, min_step=min_step)
             return path

@@ -22,7 +22,7 @@ from training.models import MODEL_NAMES, OPTIMIZER_NAMES
 PositiveInt = Annotated[int, Field(ge=1)]
 NumClasses = Annotated[int, Field(ge=2, le=100_000)]
 DataFormat = Literal["petastorm", "tfrecord"]
-FaultKind = Literal["crash", "oom", "nan", "spike", "hang", "sigterm", "error", "comm", "corrupt"]
+FaultKind = Literal["crash", "oom", "nan", "spike", "hang", "sigterm", "error", "comm", "corrupt", "ecc"]
 
 
 class Section(BaseModel):
@@ -251,7 +251,8 @@ class FaultSettings(Section):
     kind: FaultKind
     """What happens: crash (SIGKILL), oom, nan (non-finite loss), spike (loss x1000), hang, sigterm
     (a preemption notice), error (a bug), comm (a communication error), corrupt (the newest committed
-    checkpoint's weights damaged on disk, then a crash: silent corruption the next try must catch)."""
+    checkpoint's weights damaged on disk, then a crash: silent corruption the next try must catch), ecc
+    (a GPU's uncorrectable ECC error, as CUDA reports it: a hardware failure)."""
     step: int | None = Field(None, ge=1)
     """Optimizer step (1-based) before whose forward pass the fault fires; once per run."""
     seconds: float | None = Field(None, gt=0)

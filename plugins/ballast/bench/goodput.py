@@ -231,6 +231,25 @@ def _faults_timeline(run: dict) -> list[dict[str, Any]]:
     return timeline
 
 
+def _planner_prediction(run: dict, wall: float) -> dict[str, Any]:
+    """What `ballast plan`'s model predicts for this run's measured failure rate, checkpoint interval,
+    save cost and restart cost, beside the ratio measured."""
+    from ballast.planner import predict_ratio
+
+    events = _events(Path(run["out"]))
+    saves = [e for e in events if e.get("event") == "checkpoint"]
+    times = sorted(e["time"] for e in saves)
+    interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else wall
+    blocked = sum(e.get("blocked_seconds", 0.0) for e in saves) / max(1, len(saves))
+    restarts = [t["seconds_to_next_step"] for t in _faults_timeline(run) if t.get("seconds_to_next_step")]
+    restart = sum(restarts) / len(restarts) if restarts else 0.0
+    failures = len(run["kills"]) + sum(run["report"]["recovery"]["failures_by_class"].values())
+    mttf = wall / failures if failures else float("inf")
+    return {"mttf_seconds": round(mttf, 2), "checkpoint_interval_seconds": round(interval, 3),
+            "save_blocked_seconds": round(blocked, 4), "restart_seconds": round(restart, 2),
+            "predicted_ratio": round(predict_ratio(mttf, interval, blocked, restart), 4)}
+
+
 def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="ballast-goodput-"))
     os.environ.update({"AIRFLOW_HOME": str(root / "airflow"), "BALLAST_HOME": str(root / "ballast"),
@@ -259,8 +278,9 @@ def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> di
     _, diff_faults = _identical(clean["report"], faults["report"])
     recovery = faults["report"]["recovery"]
     recovered = all(r["report"] is not None and r["report"]["training"]["epochs"] == epochs for r in (faults, exact))
+    prediction = _planner_prediction(faults, faults_wall)
     return {
-        "benchmark": "goodput", "mtbf_seconds": mtbf, "epochs": epochs, "steps": total, "seed": seed,
+        "benchmark": "goodput", "planner": prediction, "measured_ratio": round(ratio, 4), "mtbf_seconds": mtbf, "epochs": epochs, "steps": total, "seed": seed,
         "clean_train_wall_seconds": round(clean_wall, 2), "faults_train_wall_seconds": round(faults_wall, 2),
         "kills": len(faults["kills"]), "tries": recovery["tries"], "failures_by_class": recovery["failures_by_class"],
         "report_effective_ratio": recovery["effective_ratio"], "report_lost_seconds": recovery["lost_seconds"],

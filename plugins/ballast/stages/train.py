@@ -19,7 +19,7 @@ from collections import deque
 from pathlib import Path
 
 from ballast.context import RunContext
-from ballast.errors import Cancelled, ConfigError, LaunchError, SpecError, failure_class, training_error
+from ballast.errors import Cancelled, CheckpointError, ConfigError, LaunchError, SpecError, failure_class, training_error
 from ballast.launch_spec import run_config, torchrun_argv
 from ballast.records import BestValidation, RoundResult, TrainResult
 from ballast.recovery import adapt, history
@@ -106,7 +106,8 @@ def _close_earlier_try(ctx: RunContext, hist, out_dir: Path, ckpt_dir: Path):
 
 def _gate_checkpoints(ctx: RunContext, cache, ckpt_dir: Path) -> Path | None:
     """The checkpoint this try resumes from: the newest that passes the verification gate, a forward
-    pass included; newer ones that fail are quarantined (the trainer's ranks only skip)."""
+    pass included; newer ones that fail are quarantined (the trainer's ranks only skip). In round k > 1
+    the step must not go back behind what round k - 1 verified."""
     from training import checkpoint as ckpt
 
     if not ckpt.committed(ckpt_dir):
@@ -114,10 +115,23 @@ def _gate_checkpoints(ctx: RunContext, cache, ckpt_dir: Path) -> Path | None:
     from ballast.stages.verify_checkpoint import held_out_probe
     from training.checkpoint import gate
 
-    resume = gate.latest_passing(ckpt_dir, probe=held_out_probe(cache.cache_dir, cache.format),
+    floor = None
+    if (ctx.round or 1) > 1:
+        floor = _verified_step(ctx, ctx.round - 1)
+    resume = gate.latest_passing(ckpt_dir, probe=held_out_probe(cache.cache_dir, cache.format), min_step=floor,
                                  log=ctx.log.warning)
+    if resume is None and floor is not None:
+        raise CheckpointError(f"{ckpt_dir}: no checkpoint at or after step {floor}, which round {ctx.round - 1}"
+                              f" verified, passes the verification gate (see {ckpt_dir / gate.QUARANTINE_DIR});"
+                              f" this round cannot continue from it")
     ctx.log.info("resuming from %s", resume if resume is not None else "scratch (no checkpoint passes the gate)")
     return resume
+
+
+def _verified_step(ctx: RunContext, round_: int) -> int:
+    from ballast.records import VerifyResult
+
+    return VerifyResult.model_validate_json(ctx.storage.read_bytes(ctx.result_key("verify_checkpoint", round_))).last.step
 
 
 def steps_planned(ctx: RunContext) -> int:
