@@ -122,6 +122,23 @@ def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path, digits_
 
 
 @pytest.mark.integration
+def test_a_group_restart_is_only_for_a_rank_killed_outright_not_for_an_oom(tmp_path, digits_cache):
+    def two_proc(d):
+        d["training"].update(processes_per_node=2, global_batch_size=64, checkpoint={"every_steps": 5})
+
+    cfg = config(tmp_path, digits_cache, epochs=2, edit=two_proc,
+                 changes={"rehearsal.faults": [{"kind": "oom", "step": 9, "rank": 1}]})
+    launch = [sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
+              "--module", "training", "--config", str(cfg)]  # what the train stage runs
+    run = subprocess.run(launch, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "failed with class oom; not restarting the group" in run.stderr
+    assert record(tmp_path)["class"] == "oom" and record(tmp_path)["rank"] == 1  # left for the next try
+    events = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(e["event"] == "first_step" for e in events) == 1  # one group: no restart
+
+
+@pytest.mark.integration
 def test_two_agents_rendezvous_on_loopback_train_and_resume(tmp_path, digits_cache):
     def two_nodes(d):
         d["training"].update(nodes=2, processes_per_node=1, global_batch_size=64)

@@ -28,17 +28,25 @@ Nothing outlives the task that started it (see training.parentdeath for the mech
   SIGTERM to the whole group reaches the ranks as the preemption notice it is, not as their end.
 - A rank's loader workers die with the rank the same way (training.dataset.loader).
 
+A group restart (`--max-restarts`, recovery.max_restarts) happens only for what a restart fixes: a rank
+killed outright, and its peers' broken connections (RESTART_IN_TRY). A failure of any other class ends
+the launch with its record, for a new try that can adapt (a smaller micro-batch, the skip list,
+another host) or for no retry at all.
+
 The orchestrator's lease (ballast.supervise) is the second line: the next try ends whatever a
 previous try left in its process group before starting.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
 import sys
+import time
 import uuid
+from pathlib import Path
 
 PARENT_ENV = "BALLAST_PARENT_PID"  # set by the orchestrator: the process whose death ends this launch
 AGENT_ENV = "BALLAST_AGENT_PID"  # set here, for the workers: the agent their forkserver belongs to
@@ -93,10 +101,14 @@ def main(argv: list[str] | None = None) -> None:
 
         signal.signal(signal.SIGHUP, on_parent_death)
     multiprocessing.set_forkserver_preload(["training.forkserver_guard", "training.worker_preload"])
+    _restart_only_what_a_restart_fixes(_output_dir(args.training_script_args))
     try:
         elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
     except ChildFailedError as exc:  # as torchrun: a summary of the failed ranks, exit 1
         print(exc.format_msg(), file=sys.stderr)
+        raise SystemExit(1) from None
+    except NewTryNeeded as exc:
+        print(f"training.launch: {exc}; not restarting the group", file=sys.stderr)
         raise SystemExit(1) from None
     except SignalException as exc:  # the agent has already ended its workers with the same signal
         if parent and exc.sigval == signal.SIGHUP:
@@ -105,6 +117,52 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(128 + int(exc.sigval)) from None
     finally:
         _end_forkserver()
+
+
+RESTART_IN_TRY = frozenset({"communication"})
+"""Failure classes a group restart inside the try fixes (a rank killed outright writes no record; its
+peers record the broken connection). Every other class needs what only a new try brings (a smaller
+micro-batch, another host, the skip list, a fixed config) or no retry at all: the group is not
+restarted and torchrun exits, leaving the record for the orchestrator."""
+
+
+class NewTryNeeded(Exception):
+    pass
+
+
+def _output_dir(script_args: list[str]) -> Path | None:
+    try:
+        config = Path(script_args[script_args.index("--config") + 1])
+        return Path(json.loads(config.read_text())["output_dir"])
+    except (ValueError, IndexError, OSError, KeyError):
+        return None
+
+
+def _restart_only_what_a_restart_fixes(out_dir: Path | None) -> None:
+    """Before torchrun's agent restarts a failed group (`--max-restarts`), read the group's first failure
+    record: a class in RESTART_IN_TRY (or no record: a rank killed outright) is restarted, the record
+    set aside so the next group's first failure is recorded anew; any other class ends the launch."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    from training.failure import RECORD_NAME, read_record
+
+    if out_dir is None or getattr(SimpleElasticAgent, "_ballast_patched", False):
+        return
+    restart = SimpleElasticAgent._restart_workers
+
+    def restart_or_stop(self, worker_group) -> None:
+        record = read_record(out_dir)
+        if record is not None and record.get("class") not in RESTART_IN_TRY:
+            raise NewTryNeeded(f"rank {record.get('rank')} failed with class {record.get('class')}")
+        if record is not None:
+            stamp = f"{time.time():.3f}"
+            os.replace(out_dir / RECORD_NAME, out_dir / f"failure-restarted-{stamp}.json")
+            for other in out_dir.glob("failure-rank*.json"):
+                os.replace(other, out_dir / f"failure-restarted-{stamp}-{other.name.removeprefix('failure-')}")
+        restart(self, worker_group)
+
+    SimpleElasticAgent._restart_workers = restart_or_stop
+    SimpleElasticAgent._ballast_patched = True
 
 
 def _end_forkserver() -> None:

@@ -45,7 +45,7 @@ def _spec(name: str, *, epochs: int, faults: list[dict], resume: bool = True) ->
     d["name"] = name
     d["training"].update(epochs=epochs, checkpoint={"every_steps": 50, "keep_last": 3, "resume": resume},
                          rehearsal={"faults": faults, "enabled": bool(faults)})
-    d["evaluation"].update(threshold=None, patience=100_000)
+    d["evaluation"].update(threshold=None, patience=1000)
     d["recovery"] = {"retry_delay_seconds": 0, "max_restarts": 50, "policy": {"unknown": 3}}
     d["schedule"] = {}
     d["overridable"] = []
@@ -143,8 +143,8 @@ def _run(root: Path, name: str, spec: dict, *, kill_times: list[float], seed: in
     dags = root / name / "dags"
     (dags / "specs").mkdir(parents=True, exist_ok=True)
     (dags / "specs" / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    (dags / "pipelines.py").write_text("from pathlib import Path\nfrom ballast.render import build_dags\n"
-                                       "globals().update(build_dags(Path(__file__).parent / 'specs'))\n")
+    repo_dags = Path(__file__).resolve().parents[3] / "dags" / "ballast_pipelines.py"
+    (dags / "pipelines.py").write_text(repo_dags.read_text())  # the thin DAG file (Airflow's safe mode reads it)
     runs_dir = Path(os.environ["BALLAST_HOME"]) / "storage" / "runs" / f"ballast_{name}"
     chaos = Chaos(runs_dir, kill_times, seed)
     chaos.start()
@@ -171,7 +171,9 @@ def _run(root: Path, name: str, spec: dict, *, kill_times: list[float], seed: in
         result["progress_steps"] = progress
         return result
     report_file = next(runs_dir.glob("*/report.json"), None)
-    result["report"] = json.loads(report_file.read_text()) if report_file else None
+    if report_file is None:
+        raise RuntimeError(f"goodput run {name!r} wrote no report (exit {proc.returncode}); see {root / (name + '.log')}")
+    result["report"] = json.loads(report_file.read_text())
     return result
 
 
