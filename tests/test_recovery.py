@@ -314,3 +314,20 @@ def test_the_gate_quarantines_what_fails_and_the_one_before_takes_its_place(tmp_
     w.write_json("trainer.json", {"step": 12})
     with pytest.raises(ckpt.CheckpointFailure, match="trainer.json records step 12, the directory says 40"):
         gate.check(w.commit())
+
+
+@pytest.mark.unit
+def test_a_save_that_failed_because_a_peer_went_away_is_communication_not_bad_data(tmp_path):
+    from training.checkpoint.saver import AsyncSaver
+    from training.failure import CheckpointFailure, TrainingFailure
+
+    saver = AsyncSaver.__new__(AsyncSaver)
+    saver._thread, saver.idle, saver.root = None, False, tmp_path
+    saver._error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"
+                                " [127.0.0.1]:32678: Connection reset by peer")
+    with pytest.raises(TrainingFailure, match="checkpoint save failed") as err:
+        saver.wait()
+    assert err.value.failure_class == "communication" and not isinstance(err.value, CheckpointFailure)
+    saver._error = OSError(28, "No space left on device")
+    with pytest.raises(CheckpointFailure):
+        saver.wait()

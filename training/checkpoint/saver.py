@@ -15,7 +15,7 @@ from typing import Any
 
 from training.checkpoint.commit import Writer, prune
 from training.checkpoint.fileio import staging_buffer
-from training.failure import CheckpointFailure
+from training.failure import CheckpointFailure, TrainingFailure, classify
 
 
 class AsyncSaver:
@@ -87,6 +87,10 @@ class AsyncSaver:
             self._thread = None
         if self._error is not None:
             exc, self._error = self._error, None
+            # A save that failed because a peer went away (the writer's barrier) is that, not bad files.
+            cls = classify(exc)
+            if cls in ("communication", "hang", "oom", "hardware"):
+                raise TrainingFailure(f"{self.root}: checkpoint save failed: {exc}", failure_class=cls) from exc
             raise CheckpointFailure(f"{self.root}: checkpoint save failed: {exc}") from exc
 
 
