@@ -102,7 +102,7 @@ class Chaos(threading.Thread):
             try:
                 pid = int((out / f"pid-rank{rank}").read_text())
                 os.kill(pid, signal.SIGKILL)
-                self.kills.append({"time": time.time(), "rank": rank, "pid": pid, "step": _heartbeat(out)})
+                self.kills.append({"time": time.time(), "rank": rank, "pid": pid, "step": _step_at(out)})
             except (OSError, ValueError):
                 self.kills.append({"time": time.time(), "rank": rank, "pid": None, "missed": True})
 
@@ -126,6 +126,15 @@ def _events(out: Path) -> list[dict]:
         except ValueError:
             pass
     return events
+
+
+def _step_at(out: Path) -> int | None:
+    """The last step known to be done: the heartbeat (about once a second) or the last step event
+    (every 10 steps), whichever is newer."""
+    steps = [e["step"] for e in _events(out) if e.get("event") == "step"][-1:]
+    beat = _heartbeat(out)
+    known = [s for s in (*steps, beat) if s is not None]
+    return max(known) if known else None
 
 
 def _heartbeat(out: Path) -> int | None:
@@ -216,7 +225,7 @@ def _faults_timeline(run: dict) -> list[dict[str, Any]]:
         timeline.append({"fault": "rank SIGKILL (torchrun restart)", "at_step": k.get("step"),
                          "seconds_to_next_step": round(after["time"] - k["time"], 2) if after else None,
                          "resumed_at_step": after["step"] if after else None,
-                         "steps_lost": (k["step"] - after["step"] + 1) if after and k.get("step") else None})
+                         "steps_lost": max(0, k["step"] - (after["step"] - 1)) if after and k.get("step") else None})
     for before, after in zip(tries, tries[1:]):
         first = after.get("first_step_at")
         timeline.append({
@@ -224,7 +233,7 @@ def _faults_timeline(run: dict) -> list[dict[str, Any]]:
             "at_step": before.get("step_reached"),
             "seconds_to_next_step": round(first - (before["ended"] or before["started"]), 2) if first else None,
             "resumed_at_step": after.get("resumed_step"),
-            "steps_lost": (before["step_reached"] - (after.get("resumed_step") or 0))
+            "steps_lost": max(0, before["step_reached"] - (after.get("resumed_step") or 0))
             if before.get("step_reached") is not None else None,
             "airflow_retry_latency_seconds": round(after["started"] - before["ended"], 2),
             "restart_seconds": after.get("restart_seconds"),

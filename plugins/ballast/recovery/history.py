@@ -104,8 +104,10 @@ def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
     if resume is not None:
         found["resumed_from"] = Path(str(resume.get("path"))).name
         found["resumed_step"] = resume.get("step")
-    if beat is not None and beat[1] >= attempt.started:
-        found["step_reached"] = beat[0]
+    steps = [e["step"] for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
+    reached = [*steps[-1:], *([beat[0]] if beat is not None and beat[1] >= attempt.started else [])]
+    if reached:
+        found["step_reached"] = max(reached)  # the heartbeat is about a second behind, step events 10 steps
     if last_commit is not None:
         # The work a checkpoint keeps is the state when it was taken (its save event), not its commit.
         found["last_commit_step"] = last_commit[0]
@@ -120,9 +122,12 @@ def begin(try_number: int, *, settings: dict[str, Any], adaptation: list[str]) -
 
 def finish(attempt: Attempt, out_dir: Path, ckpt_dir: Path, *, outcome: str, failure_class: str | None = None,
            reason: str | None = None, exit_code: int | None = None, host: str | None = None,
-           ended: float | None = None) -> Attempt:
-    """The try's record with its outcome and its time split into restart, lost and productive."""
+           ended: float | None = None, step: int | None = None) -> Attempt:
+    """The try's record with its outcome and its time split into restart, lost and productive; `step`:
+    the step the failure record names (exact, where the files are a little behind)."""
     found = observe(attempt, out_dir, ckpt_dir)
+    if step is not None:
+        found["step_reached"] = max(step, found.get("step_reached") or 0)
     ended = ended if ended is not None else time.time()
     first = found.get("first_step_at")
     restart = (first - attempt.started) if (first is not None and attempt.try_number > 1) else 0.0

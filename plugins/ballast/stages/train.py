@@ -58,7 +58,8 @@ def run(ctx: RunContext) -> TrainResult:
         done = history.finish(attempt, out_dir, ckpt_dir, outcome="cancelled" if cancelled else "failed",
                               failure_class=None if cancelled else failure_class(exc),
                               reason=" ".join(str(exc).split()) or type(exc).__name__,
-                              exit_code=getattr(exc, "exit_code", None), host=getattr(exc, "host", None))
+                              exit_code=getattr(exc, "exit_code", None), host=getattr(exc, "host", None),
+                              step=getattr(exc, "step", None))
         history.save(ctx, history.put(hist, done))
         raise
     done = history.finish(attempt, out_dir, ckpt_dir, outcome="success")
@@ -280,7 +281,7 @@ def _failure(spec, rc: int, record: dict | None, log_tail: str, *, hung: bool, c
     else:
         message = f"torchrun exited {rc}: {outcome.reason}" + (f" [{outcome.line.strip()}]" if outcome.line else "")
     err = training_error(message, outcome.failure_class)
-    err.exit_code, err.host = rc, (record or {}).get("host")  # for the attempt record
+    err.exit_code, err.host, err.step = rc, (record or {}).get("host"), (record or {}).get("step")  # for the record
     return err
 
 
