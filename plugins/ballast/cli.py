@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--specs", type=int, default=50, help="parse: number of generated specs")
     s.add_argument("--repeat", type=int, default=3, help="parse: timed repetitions (median reported)")
     s.add_argument("--mtbf", type=float, help="goodput: mean seconds between random rank kills (default 60)")
+    s.add_argument("--epochs", type=int, help="goodput: epochs of the digits training (default 300, ~85 s here)")
     s.add_argument("--json", help="write the result JSON here")
     s.set_defaults(fn=cmd_bench)
 

@@ -18,7 +18,8 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if name == "goodput":
         from ballast.bench.goodput import bench_goodput
 
-        return bench_goodput(**({"mtbf": args.mtbf} if getattr(args, "mtbf", None) else {}))
+        given = {"mtbf": getattr(args, "mtbf", None), "epochs": getattr(args, "epochs", None)}
+        return bench_goodput(**{k: v for k, v in given.items() if v is not None})
     if name in ("convert", "read", "warmup"):
         from ballast.bench import data_plane
 
