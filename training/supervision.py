@@ -40,6 +40,7 @@ class Supervision:
         self.nvml = Nvml(device.index if device.type == "cuda" else None)
         self.watchdog = Watchdog(hang_timeout, out_dir=out, rank=rank, on_hang=self._on_hang).start()
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        (out / f"pid-rank{rank}").write_text(str(os.getpid()))  # which process is which rank, for the outside
 
     @property
     def preempted(self) -> bool:

@@ -56,7 +56,6 @@ class Trainer:
         self.samples = 0
         self._resumed_at: float | None = None
         self._first_step = True  # this process's first step: the orchestrator times a restart to it
-        (self.out / f"pid-rank{self.rank}").write_text(str(os.getpid()))  # who is who, for chaos and ops
         self._started = time.monotonic()
         self.limit_reached = False
         self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.execution.metrics_port)
@@ -121,14 +120,9 @@ class Trainer:
         self.checkpoints.save(reason, asynchronous=asynchronous)
 
     def resume(self, path: Path | None = None) -> bool:
-        if path is None and not self.cfg.checkpoint.resume:
-            self.log("checkpoint.resume is false: starting from step 0")
-            return False
-        loaded = self.checkpoints.load(path)
+        loaded = self.checkpoints.load(path) if path is not None else self.checkpoints.start()
         if loaded:
             self._resumed_at = time.monotonic()
-        elif path is None and self.cfg.checkpoint.init_weights:
-            self.checkpoints.init_weights(Path(self.cfg.checkpoint.init_weights))
         return loaded
 
     # -- the loop ----------------------------------------------------------------------------------

@@ -124,6 +124,18 @@ class CheckpointManager:
 
         return latest_passing(self.root, quarantine_failures=False, log=self.log)
 
+    def start(self) -> bool:
+        """What a process starts from: the newest checkpoint that passes the gate (True), unless
+        checkpoint.resume is false; without one, the warm-start weights (init_weights) if given."""
+        if not self.cfg.resume:
+            self.log("checkpoint.resume is false: starting from step 0")
+            return False
+        if self.load():
+            return True
+        if self.cfg.init_weights:
+            self.init_weights(Path(self.cfg.init_weights))
+        return False
+
     def init_weights(self, path: Path) -> None:
         """Start from the model weights in `path` (a warm start: weights only, a fresh optimizer)."""
         weights = load_tensors(path)

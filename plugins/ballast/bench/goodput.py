@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.bench import target
+from ballast.recovery.history import events
 
 PER_EPOCH_STEPS = 21  # digits: 1,364 training rows / global batch 64
 
@@ -115,17 +116,7 @@ def _first_event_time(out: Path, name: str) -> float | None:
 
 
 def _events(out: Path) -> list[dict]:
-    try:
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    events = []
-    for line in lines:
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            pass
-    return events
+    return events(out)
 
 
 def _step_at(out: Path) -> int | None:

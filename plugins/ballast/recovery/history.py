@@ -50,20 +50,21 @@ def put(history: AttemptHistory, attempt: Attempt) -> AttemptHistory:
     return history.model_copy(update={"attempts": sorted([*kept, attempt], key=lambda a: a.try_number)})
 
 
-def _events(out_dir: Path, since: float) -> list[dict[str, Any]]:
+def events(out_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
+    """The trainer's metrics.jsonl events from `since` (unix time) on; a line cut by a kill is skipped."""
     try:
         lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
         return []
-    events = []
+    found = []
     for line in lines:
         try:
             e = json.loads(line)
         except ValueError:
             continue  # a line cut by a kill
         if isinstance(e, dict) and e.get("time", 0) >= since:
-            events.append(e)
-    return events
+            found.append(e)
+    return found
 
 
 def _heartbeat(out_dir: Path) -> tuple[int, float] | None:
@@ -91,12 +92,12 @@ def _commits(ckpt_dir: Path, since: float) -> list[tuple[int, float]]:
 
 def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
     """What the try's files say about it: first step, resume, last step, last commit."""
-    events = _events(out_dir, attempt.started)
-    first = next((e for e in events if e.get("event") == "first_step"), None)
-    resume = next((e for e in events if e.get("event") == "resume"), None)
+    evs = events(out_dir, attempt.started)
+    first = next((e for e in evs if e.get("event") == "first_step"), None)
+    resume = next((e for e in evs if e.get("event") == "resume"), None)
     beat = _heartbeat(out_dir)
     commits = _commits(ckpt_dir, attempt.started)
-    saves = {e["step"]: e["time"] for e in events if e.get("event") == "checkpoint" and "step" in e}
+    saves = {e["step"]: e["time"] for e in evs if e.get("event") == "checkpoint" and "step" in e}
     last_commit = max(commits) if commits else None
     found: dict[str, Any] = {}
     if first is not None:
@@ -104,7 +105,7 @@ def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
     if resume is not None:
         found["resumed_from"] = Path(str(resume.get("path"))).name
         found["resumed_step"] = resume.get("step")
-    steps = [e["step"] for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
+    steps = [e["step"] for e in evs if e.get("event") == "step" and isinstance(e.get("step"), int)]
     reached = [*steps[-1:], *([beat[0]] if beat is not None and beat[1] >= attempt.started else [])]
     if reached:
         found["step_reached"] = max(reached)  # the heartbeat is about a second behind, step events 10 steps
