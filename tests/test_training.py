@@ -533,22 +533,25 @@ def test_training_processes_keep_freed_host_memory_for_reuse(tmp_path):
         "    y = x * 2\n"
         "for _ in range(4):\n"  # the heap settles in the first steps
         "    step()\n"
-        "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "for _ in range(5):\n"
+        "faults = []\n"
+        "for _ in range(8):\n"
+        "    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "    step()\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0, sorted(done))\n")
+        "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)\n"
+        "print(sorted(faults)[len(faults) // 2], sorted(done))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     faults = {}
     for mode in ("keep", "system"):
         out = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, check=True)
         count, names = out.stdout.split(" ", 1)
-        faults[mode] = int(count)
+        faults[mode] = int(count)  # the median step's page faults
         if mode == "keep":
             assert names.strip() == "['malloc_mmap_threshold', 'malloc_trim_threshold']"
     pages = 64_000_000 // 4096
-    assert faults["system"] > 5 * 2 * pages * 0.9, faults  # every step faults both blocks in again
-    # Steps reuse the heap's pages (here 0, or one block's pages while the heap settles, out of 10).
-    assert faults["keep"] < 2 * pages, faults
+    assert faults["system"] > 2 * pages * 0.9, faults  # every step faults both blocks in again
+    # A settled step reuses the heap's pages (a CI run once saw the heap take a few more steps to
+    # settle, so the median step is compared, not the sum).
+    assert faults["keep"] < pages * 0.1, faults
     # An explicit environment setting wins over the trainer's.
     out = subprocess.run([sys.executable, str(script), "keep"], env={**env, "MALLOC_MMAP_THRESHOLD_": "65536",
                          "MALLOC_TRIM_THRESHOLD_": "65536"}, capture_output=True, text=True, check=True)
