@@ -122,6 +122,31 @@ def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path, digits_
 
 
 @pytest.mark.integration
+def test_resume_from_an_anomaly_checkpoint_replays_the_step_exactly(tmp_path, digits_cache):
+    """A loss spike (under alert) checkpoints the state before its step applies, after that step's
+    forward pass has drawn its dropout masks: resumed from it, a run must draw the same masks again."""
+    import shutil
+
+    import torch
+
+    changes = {"rehearsal.faults": [{"kind": "spike", "step": 20}], "checkpoint.keep_last": 100,
+               "monitors.anomaly_checkpoint_min_steps": 0}
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "resumed"
+    ref_dir.mkdir(), run_dir.mkdir()
+    ref = run_single(config(ref_dir, digits_cache, epochs=2, changes=changes))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    anomaly = [p for p in ckpt.committed(ref_dir / "ckpt") if ckpt.read_trainer_state(p)["reason"] == "anomaly"]
+    assert [ckpt.read_trainer_state(p)["step"] for p in anomaly] == [19]
+    shutil.copytree(anomaly[0], run_dir / "ckpt" / anomaly[0].name)  # the spike fires again: no marker here
+    run = run_single(config(run_dir, digits_cache, epochs=2, changes=changes))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"resumed from {run_dir / 'ckpt' / anomaly[0].name}" in run.stdout + run.stderr
+    wa = ckpt.load_tensors(ckpt.committed(ref_dir / "ckpt")[-1] / "model.pt")
+    wb = ckpt.load_tensors(ckpt.committed(run_dir / "ckpt")[-1] / "model.pt")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after resuming from the anomaly checkpoint"
+
+
+@pytest.mark.integration
 def test_a_group_restart_is_only_for_a_rank_killed_outright_not_for_an_oom(tmp_path, digits_cache):
     def two_proc(d):
         d["training"].update(processes_per_node=2, global_batch_size=64, checkpoint={"every_steps": 5})

@@ -116,8 +116,8 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def save(self, reason: str, *, asynchronous: bool | None = None) -> None:
-        self.checkpoints.save(reason, asynchronous=asynchronous)
+    def save(self, reason: str, *, asynchronous: bool | None = None, rng: dict | None = None) -> None:
+        self.checkpoints.save(reason, asynchronous=asynchronous, rng=rng)
 
     def resume(self, path: Path | None = None) -> bool:
         loaded = self.checkpoints.load(path) if path is not None else self.checkpoints.start()
@@ -195,6 +195,9 @@ class Trainer:
         import torch
 
         cfg, st = self.cfg, self.state
+        # A checkpoint of the state before this step (an anomaly's) must record the generators as they
+        # were before its forward pass drew dropout masks from them, or a resume draws other masks.
+        self._rng_before = self.checkpoints.rng_state()
         mb, accum = cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps
         micro = [(xb[i * mb:(i + 1) * mb].to(self.dist.device, non_blocking=True),
                   yb[i * mb:(i + 1) * mb].to(self.dist.device, non_blocking=True)) for i in range(accum)]
@@ -273,7 +276,7 @@ class Trainer:
                 return True
             action = self.anomalies.after_failed_rollback(self.step)
         if action == "checkpoint":
-            self.save("anomaly")  # the last good state: before this step applies
+            self.save("anomaly", rng=self._rng_before)  # the last good state: before this step applies
         return False
 
     def _record_step(self, loss: float, gnorm: float, t0: float, t1: float, t2: float, t3: float) -> None:
@@ -300,7 +303,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         st.skip.add((st.epoch, st.pos))
         self.checkpoints.wait()
-        self.save("anomaly", asynchronous=False)
+        self.save("anomaly", asynchronous=False, rng=self._rng_before)
         raise DivergenceFailure(f"loss or gradients not finite at step {st.step + 1} (epoch {st.epoch}, batch"
                                 f" {st.pos}); last good state checkpointed, the batch will be skipped on resume")
 

@@ -48,10 +48,13 @@ class CheckpointManager:
         if not self.snapshot.buffers:
             self._snapshot()
 
-    def save(self, reason: str, *, asynchronous: bool | None = None) -> None:
+    def save(self, reason: str, *, asynchronous: bool | None = None, rng: dict | None = None) -> None:
+        """Checkpoint the state as it is now; `rng`: the random generators' states to record instead of
+        the current ones (`rng_state()` taken before a step whose forward pass has already drawn from
+        them, for a checkpoint of the state before that step)."""
         t0 = time.monotonic()
         self.saver.wait()  # the snapshot buffers are reused: the previous write must be done
-        tensors, parts = self._snapshot()
+        tensors, parts = self._snapshot(rng)
         jsons: dict[str, Any] = {}
         if self.dist.rank == 0:
             jsons[TRAINER_STATE] = {
@@ -87,16 +90,23 @@ class CheckpointManager:
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return self.model.state_dict(), self.optimizer.state_dict()
 
-    def _snapshot(self) -> tuple[dict[str, Any], int]:
+    def rng_state(self) -> dict[str, Any]:
+        """This rank's random generators (dropout draws from them): what a checkpoint records."""
+        import torch
+
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
+        return rng
+
+    def _snapshot(self, rng: dict | None = None) -> tuple[dict[str, Any], int]:
         """This rank's checkpoint tensors, copied into the reused snapshot buffers; and the number of
         optimizer parts."""
         import torch
 
         rank = self.dist.rank
         model_sd, optim_sd = self._full_state()
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
+        rng = rng if rng is not None else self.rng_state()
         tensors: dict[str, Any] = {f"rng-rank{rank}.pt": self.snapshot.copy(rng, ("rng",))}
         if self.sharded:
             parts = 1  # the gathered full state is on rank 0 only
