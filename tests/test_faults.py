@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,26 @@ def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path, digits_
     wa = ckpt.load_tensors(ckpt.committed(ref_dir / "ckpt")[-1] / "model.pt")
     wb = ckpt.load_tensors(ckpt.committed(run_dir / "ckpt")[-1] / "model.pt")
     assert all(torch.equal(wa[k], wb[k]) for k in wa), f"weights differ after a kill at step {step}"
+
+
+@pytest.mark.integration
+def test_a_group_that_cannot_read_its_config_is_not_restarted(tmp_path, digits_cache):
+    """No failure record (the ranks never learned where to write it) is not a rank killed outright when
+    the exit code names a class: torchrun's restarts would only fail the same way."""
+    def two_proc(d):
+        d["training"].update(processes_per_node=2, global_batch_size=64)
+
+    cfg = config(tmp_path, digits_cache, edit=two_proc)
+    data = json.loads(cfg.read_text())
+    data["checkpoint"]["dir"] = "x"  # an unknown key: the trainer refuses the whole config
+    cfg.write_text(json.dumps(data))
+    launch = [sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
+              "--module", "training", "--config", str(cfg)]
+    run = subprocess.run(launch, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert re.search(r"rank \d exited 64 \(class config\) without a failure record; not restarting the group", run.stderr)
+    assert run.stderr.count("failed (config, exit 64)") == 2, run.stderr[-3000:]  # one group: no restart
+    assert not (tmp_path / "out" / "failure.json").exists()
 
 
 @pytest.mark.integration

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not an inherited SIG_IGN (nohup)
         die_with_parent(signal.SIGHUP, int(parent))
     os.environ[AGENT_ENV] = str(os.getpid())
+    _start_forkserver()
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -100,23 +101,66 @@ def main(argv: list[str] | None = None) -> None:
             raise SignalException(f"process {os.getpid()}: its parent {parent} died", sigval=signal.Signals(signum))
 
         signal.signal(signal.SIGHUP, on_parent_death)
-    multiprocessing.set_forkserver_preload(["training.forkserver_guard", "training.worker_preload"])
     _restart_only_what_a_restart_fixes(_output_dir(args.training_script_args))
+    _format_tracebacks_here()
     try:
         elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
+        code = 0
     except ChildFailedError as exc:  # as torchrun: a summary of the failed ranks, exit 1
         print(exc.format_msg(), file=sys.stderr)
-        raise SystemExit(1) from None
+        code = 1
     except NewTryNeeded as exc:
         print(f"training.launch: {exc}; not restarting the group", file=sys.stderr)
-        raise SystemExit(1) from None
+        code = 1
     except SignalException as exc:  # the agent has already ended its workers with the same signal
-        if parent and exc.sigval == signal.SIGHUP:
-            _end_forkserver()
-            os._exit(128 + signal.SIGHUP)
-        raise SystemExit(128 + int(exc.sigval)) from None
+        code = 128 + int(exc.sigval)
     finally:
         _end_forkserver()
+    _exit_now(code)
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver, with its imports of torch and the trainer, before this process imports
+    torch: the two imports (seconds each on a busy machine) then overlap, instead of the forkserver's
+    starting only when the agent first starts its workers. The workers' own environment (rank, world,
+    OMP_NUM_THREADS, ...) reaches them from the agent when they are forked, not from the forkserver's."""
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(["training.forkserver_guard", "training.worker_preload"])
+    forkserver.ensure_running()  # returns at once; the forkserver accepts its first fork once preloaded
+
+
+def _format_tracebacks_here() -> None:
+    """torch's log formatter imports torch._dynamo to format the first record that carries a traceback
+    (1.7 s here, measured with faulthandler): the agent's record of a failed rank, on the path of every
+    group restart and every new try. Its handlers get the traceback already formatted, by logging's own
+    formatter, so that the text is the same and the import never happens in this process."""
+    import logging
+
+    plain = logging.Formatter()
+
+    class Preformatted(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.exc_info:
+                record.exc_text = record.exc_text or plain.formatException(record.exc_info)
+                record.exc_info = None
+            return True
+
+    for name in ("torch", "torch.distributed"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(Preformatted())
+
+
+def _exit_now(code: int) -> None:
+    """Exit without tearing down the interpreter: the workers and the forkserver are gone and the agent's
+    records are written; an interpreter that imported torch takes a second or more to tear down, and
+    the orchestrator (the next try, or the task's end) waits for this process."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 RESTART_IN_TRY = frozenset({"communication"})
@@ -143,17 +187,29 @@ def _restart_only_what_a_restart_fixes(out_dir: Path | None) -> None:
     record: a class in RESTART_IN_TRY (or no record: a rank killed outright) is restarted, the record
     set aside so the next group's first failure is recorded anew; any other class ends the launch."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from training.failure import RECORD_NAME, read_record
+    from training.failure import EXIT_CODES, RECORD_NAME, read_record
 
     if out_dir is None or getattr(SimpleElasticAgent, "_ballast_patched", False):
         return
-    restart = SimpleElasticAgent._restart_workers
+    restart, monitor = SimpleElasticAgent._restart_workers, LocalElasticAgent._monitor_workers
+    classes = {code: cls for cls, code in EXIT_CODES.items()}
+
+    def monitor_and_keep(self, worker_group):
+        self._ballast_result = monitor(self, worker_group)
+        return self._ballast_result
 
     def restart_or_stop(self, worker_group) -> None:
         record = read_record(out_dir)
         if record is not None and record.get("class") not in RESTART_IN_TRY:
             raise NewTryNeeded(f"rank {record.get('rank')} failed with class {record.get('class')}")
+        if record is None:  # killed outright, or failed before it knew where to write (a config it cannot read)
+            result = getattr(self, "_ballast_result", None)
+            for rank, failure in sorted((result.failures if result is not None else {}).items()):
+                cls = classes.get(failure.exitcode)
+                if cls is not None and cls not in RESTART_IN_TRY:
+                    raise NewTryNeeded(f"rank {rank} exited {failure.exitcode} (class {cls}) without a failure record")
         if record is not None:
             stamp = f"{time.time():.3f}"
             os.replace(out_dir / RECORD_NAME, out_dir / f"failure-restarted-{stamp}.json")
@@ -162,6 +218,7 @@ def _restart_only_what_a_restart_fixes(out_dir: Path | None) -> None:
         restart(self, worker_group)
 
     SimpleElasticAgent._restart_workers = restart_or_stop
+    LocalElasticAgent._monitor_workers = monitor_and_keep
     SimpleElasticAgent._ballast_patched = True
 
 

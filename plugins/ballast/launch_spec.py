@@ -74,7 +74,7 @@ def torchrun_argv(spec: Spec, config_path: str | Path, *, python: str = sys.exec
     # that already imported torch: a restarted group is training again seconds sooner.
     argv = [python, "-m", "training.launch",
             f"--nnodes={t.nodes}", f"--nproc-per-node={t.processes_per_node}",
-            f"--max-restarts={spec.recovery.max_restarts}", "--monitor-interval=0.5"]
+            f"--max-restarts={spec.recovery.max_restarts}", "--monitor-interval=0.1"]
     if t.nodes == 1 and rdzv_endpoint is None:
         argv.append("--standalone")  # a free local port; no rendezvous server to run
     else:

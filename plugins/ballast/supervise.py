@@ -124,8 +124,12 @@ def supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: 
     started = time.time()
     hung = False
     try:
-        while proc.poll() is None:
-            time.sleep(1.0)
+        while True:
+            try:
+                proc.wait(timeout=1.0)  # returns as soon as torchrun exits: the next try starts no later
+                break
+            except subprocess.TimeoutExpired:
+                pass
             if group.cancelled:
                 break
             last = max(started, heartbeat.stat().st_mtime if heartbeat.exists() else 0.0)
