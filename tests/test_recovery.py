@@ -10,6 +10,7 @@ import socket
 import pytest
 from ballast.errors import SpecError
 from ballast.recovery import history
+from ballast.records import AttemptHistory, RecoverySummary
 from ballast.recovery.policy import decide
 from ballast.spec import RecoverySpec, parse_spec
 from helpers import example_data, run_spec_dag
@@ -331,3 +332,27 @@ def test_a_save_that_failed_because_a_peer_went_away_is_communication_not_bad_da
     saver._error = OSError(28, "No space left on device")
     with pytest.raises(CheckpointFailure):
         saver.wait()
+
+
+@pytest.mark.unit
+def test_a_group_restart_inside_a_try_counts_its_work_lost_and_restart(tmp_path):
+    """torchrun's restart after a rank killed outright is no new Airflow try, but it costs the work since
+    the checkpoint it resumed from and its restart: the attempt and the run's summary count both."""
+
+    out, ckpt_dir = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir(), ckpt_dir.mkdir()
+    t = 1000.0
+    evs = [("preflight", 0, t + 1), ("first_step", 1, t + 2), ("checkpoint", 50, t + 3), ("step", 60, t + 3.5),
+           # rank 1 SIGKILLed at ~t+4; the group restarts and resumes from step 50
+           ("preflight", 0, t + 5), ("resume", 50, t + 5.2), ("first_step", 51, t + 5.5), ("step", 100, t + 9)]
+    (out / "metrics.jsonl").write_text("".join(
+        json.dumps({"event": e, "step": s, "time": at, "rank": 0}) + "\n" for e, s, at in evs))
+    attempt = history.begin(1, settings={}, adaptation=[]).model_copy(update={"started": t})
+    done = history.finish(attempt, out, ckpt_dir, outcome="success", ended=t + 10)
+    assert done.group_restarts == 1 and done.group_restart_lost_seconds == 2.5  # t+3 (the state) to t+5.5
+    assert done.lost_seconds == 2.5
+    summary = RecoverySummary.of([AttemptHistory(task_id="train", attempts=[done])])
+    assert summary.group_restarts == 1 and summary.lost_seconds == 2.5 and summary.effective_ratio == 0.75
+    failed = history.finish(attempt, out, ckpt_dir, outcome="failed", failure_class="oom", ended=t + 10)
+    # Failed at t+10 with no commit since the restart: the work since the last group's first step is lost too.
+    assert failed.lost_seconds == 2.5 + 4.5

@@ -2,8 +2,9 @@
 
 A try's time splits into what survived and what was lost. Lost: the restart (from the try's start to
 its first training step: launch, rendezvous, checkpoint load; the first try's start-up is not a
-failure's cost), the work since the last checkpoint the try committed (for a failed try), and
-Airflow's own retry latency (the gap between one try's end and the next one's start). The rest is
+failure's cost), torchrun's group restarts inside the try (each from the save of the checkpoint it
+resumed from to its first step), the work since the last checkpoint the try committed (for a failed
+try), and Airflow's own retry latency (the gap between one try's end and the next one's start). The rest is
 productive. The stability view and the run report read these records.
 """
 
@@ -52,10 +53,17 @@ class Attempt(Record):
     """What this try changed because of the tries before it, one line each."""
     settings: dict[str, Any] = {}
     """The adapted settings the try ran with (micro_batch_size, pool, avoid_hosts)."""
+    group_restarts: int = 0
+    """torchrun's restarts of the process group inside this try (a rank killed outright)."""
+    group_restart_lost_seconds: float = 0.0
+    """What those restarts cost: for each, its resumed checkpoint's save to the group's first step."""
+    last_group_first_step_at: float | None = None
+    """Unix time of the last group's first step (after the last restart)."""
     restart_seconds: float = 0.0
     """Start of the try to its first step (0 for the first try: start-up is no failure's cost)."""
     lost_seconds: float = 0.0
-    """Restart time plus, for a failed try, the work since its last commit (or since its first step)."""
+    """Restart time, the group restarts' cost, and, for a failed try, the work since its last commit (or
+    since its last group's first step)."""
 
     @property
     def seconds(self) -> float:
@@ -93,7 +101,9 @@ class RecoverySummary(Record):
     effective_ratio: float
     """productive / wall (1.0: nothing lost)."""
     mtbf_seconds: float | None
-    """Wall time per failure (None without failures)."""
+    """Wall time per failure, group restarts counted (None without failures)."""
+    group_restarts: int = 0
+    """torchrun's in-try group restarts, all tries together (each a failure the try survived)."""
 
     @classmethod
     def of(cls, histories: list[AttemptHistory]) -> RecoverySummary:
@@ -116,8 +126,9 @@ class RecoverySummary(Record):
         wall = max(0.0, end - start)
         lost = sum(a.lost_seconds for a in tries)
         productive = max(0.0, sum(a.seconds for a in tries) - lost)
-        failures = sum(by_class.values())
-        return cls(tries=len(tries), failures_by_class=by_class,
+        restarts = sum(a.group_restarts for a in tries)
+        failures = sum(by_class.values()) + restarts
+        return cls(group_restarts=restarts, tries=len(tries), failures_by_class=by_class,
                    cancelled=sum(a.outcome == "cancelled" for a in tries), wall_seconds=round(wall, 3),
                    productive_seconds=round(productive, 3), lost_seconds=round(lost, 3),
                    retry_wait_seconds=round(wait, 3), effective_ratio=round(productive / wall, 4) if wall else 1.0,

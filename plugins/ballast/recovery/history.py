@@ -113,7 +113,32 @@ def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
         # The work a checkpoint keeps is the state when it was taken (its save event), not its commit.
         found["last_commit_step"] = last_commit[0]
         found["last_commit_at"] = float(saves.get(last_commit[0], last_commit[1]))
+    lost, last_first = _group_restarts(evs, {**dict(commits), **saves})
+    if lost:
+        found["group_restarts"] = len(lost)
+        found["group_restart_lost_seconds"] = round(sum(lost), 3)
+        found["last_group_first_step_at"] = last_first
     return found
+
+
+def _group_restarts(evs: list[dict[str, Any]], saved_at: dict[int, float]) -> tuple[list[float], float | None]:
+    """What each of torchrun's group restarts inside the try cost (`recovery.max_restarts`): from the
+    moment of the state it resumed from (that checkpoint's save) to its first step, which is the work
+    lost since that checkpoint, the detection and the restart together; and the last group's first step."""
+    lost: list[float] = []
+    first_seen, last_first, resumed = False, None, None
+    for e in evs:
+        if e.get("rank", 0) != 0:
+            continue
+        kind = e.get("event")
+        if kind == "resume":
+            resumed = e.get("step")
+        elif kind == "first_step":
+            if first_seen:
+                at = saved_at.get(resumed) if resumed is not None else None
+                lost.append(max(0.0, float(e["time"]) - at) if at is not None else 0.0)
+            first_seen, last_first, resumed = True, float(e["time"]), None
+    return lost, last_first
 
 
 def begin(try_number: int, *, settings: dict[str, Any], adaptation: list[str]) -> Attempt:
@@ -132,12 +157,13 @@ def finish(attempt: Attempt, out_dir: Path, ckpt_dir: Path, *, outcome: str, fai
     ended = ended if ended is not None else time.time()
     first = found.get("first_step_at")
     restart = (first - attempt.started) if (first is not None and attempt.try_number > 1) else 0.0
-    lost = restart
+    lost = restart + found.get("group_restart_lost_seconds", 0.0)
     if outcome != "success":
         if first is None:
             lost = ended - attempt.started  # not one step: the whole try
         else:
-            lost += max(0.0, ended - max(first, found.get("last_commit_at") or first))
+            since = found.get("last_group_first_step_at") or first  # the last group's restart is counted
+            lost += max(0.0, ended - max(since, found.get("last_commit_at") or since))
     return attempt.model_copy(update={
         **found, "outcome": outcome, "failure_class": failure_class, "reason": reason, "exit_code": exit_code,
         "host": host or attempt.host, "ended": ended, "restart_seconds": round(max(0.0, restart), 3),
