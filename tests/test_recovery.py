@@ -5,7 +5,10 @@ quarantined and the one before it used. Policy and bad-input checks run in proce
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from ballast.errors import SpecError
@@ -356,3 +359,22 @@ def test_a_group_restart_inside_a_try_counts_its_work_lost_and_restart(tmp_path)
     failed = history.finish(attempt, out, ckpt_dir, outcome="failed", failure_class="oom", ended=t + 10)
     # Failed at t+10 with no commit since the restart: the work since the last group's first step is lost too.
     assert failed.lost_seconds == 2.5 + 4.5
+
+
+@pytest.mark.e2e
+def test_the_planner_predicts_what_a_run_with_random_kills_loses(tmp_path):
+    """`ballast plan`'s model (Daly's, fed with the run's own failure rate, checkpoint interval, save and
+    restart costs) against the ratio a run through Airflow measured with rank kills at random times (the
+    time each kill lost, from the attempt history). The wall-time ratio against a clean run is printed
+    beside it: on a run this short it is within the machine's noise."""
+    script = tmp_path / "check.py"
+    script.write_text("import json, sys\nfrom ballast.bench.goodput import planner_check\n"
+                      "json.dump(planner_check(mtbf=6, epochs=60), open(sys.argv[1], 'w'))\n")
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    print(json.dumps({k: r[k] for k in ("measured_ratio", "planner", "kills")}), r["report"]["effective_ratio"])
+    assert r["kills"] >= 1 and r["report"]["group_restarts"] >= 1, r
+    assert r["planner"]["predicted_ratio"] == pytest.approx(r["report"]["effective_ratio"], abs=0.05), r
