@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 
 import pytest
@@ -88,3 +89,65 @@ def test_trigger_through_rest_api_with_changed_parameter(airflow_db, digits_raw,
     assert spec["training"]["epochs"] == 3 and spec["training"]["learning_rate"] == 0.005
     report = report_for(run["dag_run_id"])
     assert report["training"]["epochs"] <= 3
+
+
+def _wait(what: str, check, timeout: float, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout:.0f}s")
+
+
+def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_trainer(airflow_db, digits_raw, tmp_path):
+    """The issue's own trial, on the LocalExecutor: SIGKILL the task process that runs `train`; its
+    torchrun group must end with it (not at its next log line), the next try must start clean; then
+    mark the run failed from the REST API: the cancel is recorded and nothing of the try is left."""
+    import os
+    import signal
+
+    from ballast.localstack import LocalStack
+    from ballast.supervise import CANCELLED, group_members, read_lease
+
+    spec = load_spec(EXAMPLE_SPEC)
+    with LocalStack(_free_port(), log_dir=tmp_path / "logs") as stack:
+        stack.wait_for_dag("ballast_digits", timeout=180)
+        run = stack.trigger("ballast_digits", {"epochs": 400, "patience": 1000})  # minutes of training
+        ctx = RunContext(spec=spec, dag_id=spec.dag_id, run_id=run["dag_run_id"])
+        out = ctx.storage.local_path(f"{ctx.run_key}/train")
+
+        def training(try_number: int):
+            lease = read_lease(out)
+            beat = out / "heartbeat"
+            if lease and lease["try_number"] == try_number and beat.exists() and beat.stat().st_mtime > lease["started"]:
+                return lease
+            return None
+
+        first = _wait("try 1 training", lambda: training(1), timeout=300)
+        assert group_members(first["pgid"], first["token"])
+        os.kill(first["task_pid"], signal.SIGKILL)  # the task runner, as an OOM killer or an operator would
+        _wait("try 1's torchrun group gone", lambda: not group_members(first["pgid"], first["token"]), timeout=5)
+        second = _wait("try 2 training", lambda: training(2), timeout=120)
+        assert not group_members(first["pgid"], first["token"])
+        from urllib.parse import quote
+
+        stack.request("PATCH", f"/api/v2/dags/ballast_digits/dagRuns/{quote(run['dag_run_id'], safe='')}",
+                      {"state": "failed"})
+        _wait("try 2's torchrun group gone after the cancel",
+              lambda: not group_members(second["pgid"], second["token"]), timeout=30)
+        cancel = json.loads((out / CANCELLED).read_text())
+        assert cancel["try_number"] == 2, cancel
+        assert not (out / "failure.json").exists() or json.loads((out / "failure.json").read_text())["time"] < cancel["time"]
+        done = stack.wait_for_run("ballast_digits", run["dag_run_id"], timeout=60)
+        assert done["state"] == "failed"
+        tis = stack.task_instances("ballast_digits", run["dag_run_id"])
+        assert tis["train"]["try_number"] == 2, tis["train"]
+    from ballast.recovery import history
+
+    tries = history.load(ctx, "train").attempts
+    # Ended by their parent-death signal, the ranks wrote no record: not a "communication" failure of a
+    # broken log pipe, which is what the next try read before.
+    assert (tries[0].outcome, tries[0].failure_class) == ("failed", "unknown"), tries[0]
+    assert tries[1].outcome == "cancelled", tries[1]

@@ -13,7 +13,9 @@ through `dag.test()` in its own process, one after the other on this machine:
     scratch   the `faults` run's faults with checkpoint.resume false (every restart and try from step
               0), stopped at the `faults` run's wall time: useful progress within the same budget
 
-Effective training time ratio: clean wall / faults wall (train tasks, first start to last end); for
+Effective training time ratio: clean wall / faults wall (train tasks, first start to last end), and
+the faults run's attempt history's own ratio (what each fault lost, measured in the run); the target
+takes the lower of the two, as the two runs' pace differs by more than the faults cost. For
 scratch: (steps kept at the end / steps planned) x clean wall / budget. Per fault: detection (the fault
 to torchrun or the task noticing), restart (to the next completed step), the work lost since the last
 checkpoint, and Airflow's retry latency (a try's end to the next one's start).
@@ -252,6 +254,16 @@ def _planner_prediction(run: dict, wall: float) -> dict[str, Any]:
             "predicted_ratio": round(predict_ratio(mttf, interval, blocked, restart), 4)}
 
 
+def _epoch_pace(run: dict) -> float | None:
+    """Median seconds from one epoch's end to the next's (restarts left out): the machine's pace during
+    the run, to compare runs by."""
+    import statistics
+
+    ends = [e["time"] for e in _events(Path(run["out"])) if e.get("event") == "epoch" and e.get("rank", 0) == 0]
+    gaps = [b - a for a, b in zip(ends, ends[1:]) if 0 < b - a < 2.0]
+    return round(statistics.median(gaps), 4) if gaps else None
+
+
 def _home() -> Path:
     """A fresh Airflow and Ballast home for the runs (this process's environment points at it)."""
     root = Path(tempfile.mkdtemp(prefix="ballast-goodput-"))
@@ -295,6 +307,11 @@ def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> di
     scratch = _run(root, "scratch", _spec("scratch", epochs=epochs, faults=_scripted(total, with_adaptations=True),
                                            resume=False), kill_times=kills, seed=seed, budget=faults_wall)
     ratio = clean_wall / faults_wall
+    accounted = faults["report"]["recovery"]["effective_ratio"]
+    # Two runs minutes apart on a shared machine differ in pace by more than the faults cost (a clean run
+    # once went 10% slower per epoch than the faults run after it, a wall ratio of 1.04): the target takes
+    # the lower of the wall ratio and the faults run's own accounting of what each fault lost.
+    judged = min(ratio, accounted)
     scratch_progress = (scratch.get("progress_steps") or 0) / total if scratch["stopped_at_budget"] else 1.0
     scratch_ratio = scratch_progress * clean_wall / faults_wall
     same, diff = _identical(clean["report"], exact["report"])
@@ -308,7 +325,8 @@ def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> di
         "kills": len(faults["kills"]), "kills_missed": sum(bool(k.get("missed")) for k in faults["kills"]),
         "random_kills_mtbf_seconds": round(faults_wall / max(1, len(faults["kills"])), 1),
         "group_restarts": recovery.get("group_restarts"), "tries": recovery["tries"], "failures_by_class": recovery["failures_by_class"],
-        "report_effective_ratio": recovery["effective_ratio"], "report_lost_seconds": recovery["lost_seconds"],
+        "report_effective_ratio": recovery["effective_ratio"],
+        "epoch_pace_seconds": {"clean": _epoch_pace(clean), "faults": _epoch_pace(faults)}, "report_lost_seconds": recovery["lost_seconds"],
         "report_retry_wait_seconds": recovery["retry_wait_seconds"],
         "scratch": {"progress_steps": scratch.get("progress_steps"), "of": total, "budget_seconds": round(faults_wall, 2),
                     "ratio": round(scratch_ratio, 4)},
@@ -316,7 +334,7 @@ def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> di
         "faults_max_abs_diff_vs_clean": diff_faults,
         "timeline": _faults_timeline(faults),
         "targets": {
-            "effective_training_time_ratio": target(round(ratio, 4), 0.90, lower_is_better=False),
+            "effective_training_time_ratio": target(round(judged, 4), 0.90, lower_is_better=False),
             "ratio_vs_restart_from_scratch": target(round(ratio / max(scratch_ratio, 1e-9), 2), 3.0,
                                                     lower_is_better=False),
             "every_fault_recovered": {"value": recovered, "target": "true", "met": bool(recovered)},
