@@ -4,9 +4,12 @@ of a running API server, scheduler and DAG processor."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 import urllib.error
+from urllib.parse import quote
 
 import pytest
 from ballast.context import RunContext
@@ -105,10 +108,8 @@ def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_traine
     """The issue's own trial, on the LocalExecutor: SIGKILL the task process that runs `train`; its
     torchrun group must end with it (not at its next log line), the next try must start clean; then
     mark the run failed from the REST API: the cancel is recorded and nothing of the try is left."""
-    import os
-    import signal
-
     from ballast.localstack import LocalStack
+    from ballast.recovery import history
     from ballast.supervise import CANCELLED, group_members, read_lease
 
     spec = load_spec(EXAMPLE_SPEC)
@@ -131,8 +132,6 @@ def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_traine
         _wait("try 1's torchrun group gone", lambda: not group_members(first["pgid"], first["token"]), timeout=5)
         second = _wait("try 2 training", lambda: training(2), timeout=120)
         assert not group_members(first["pgid"], first["token"])
-        from urllib.parse import quote
-
         stack.request("PATCH", f"/api/v2/dags/ballast_digits/dagRuns/{quote(run['dag_run_id'], safe='')}",
                       {"state": "failed"})
         _wait("try 2's torchrun group gone after the cancel",
@@ -144,8 +143,6 @@ def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_traine
         assert done["state"] == "failed"
         tis = stack.task_instances("ballast_digits", run["dag_run_id"])
         assert tis["train"]["try_number"] == 2, tis["train"]
-    from ballast.recovery import history
-
     tries = history.load(ctx, "train").attempts
     # Ended by their parent-death signal, the ranks wrote no record: not a "communication" failure of a
     # broken log pipe, which is what the next try read before.

@@ -110,20 +110,16 @@ class Chaos(threading.Thread):
 
 
 def _first_event_time(out: Path, name: str) -> float | None:
-    for e in _events(out):
+    for e in events(out):
         if e.get("event") == name:
             return float(e["time"])
     return None
 
 
-def _events(out: Path) -> list[dict]:
-    return events(out)
-
-
 def _step_at(out: Path) -> int | None:
     """The last step known to be done: the heartbeat (about once a second) or the last step event
     (every 10 steps), whichever is newer."""
-    steps = [e["step"] for e in _events(out) if e.get("event") == "step"][-1:]
+    steps = [e["step"] for e in events(out) if e.get("event") == "step"][-1:]
     beat = _heartbeat(out)
     known = [s for s in (*steps, beat) if s is not None]
     return max(known) if known else None
@@ -209,11 +205,11 @@ def _identical(a: dict, b: dict) -> tuple[bool, float]:
 def _faults_timeline(run: dict) -> list[dict[str, Any]]:
     """Per fault: when, what, and where its time went."""
     out = Path(run["out"])
-    events = _events(out)
+    evs = events(out)
     tries = [a for h in run["report"]["attempts"] for a in h["attempts"]]
     timeline = []
     for k in run["kills"]:
-        after = next((e for e in events if e.get("event") == "first_step" and e["time"] > k["time"]), None)
+        after = next((e for e in evs if e.get("event") == "first_step" and e["time"] > k["time"]), None)
         timeline.append({"fault": "rank SIGKILL (torchrun restart)", "at_step": k.get("step"),
                          "seconds_to_next_step": round(after["time"] - k["time"], 2) if after else None,
                          "resumed_at_step": after["step"] if after else None,
@@ -239,8 +235,8 @@ def _planner_prediction(run: dict, wall: float) -> dict[str, Any]:
     save cost and restart cost, beside the ratio measured."""
     from ballast.planner import predict_ratio
 
-    events = _events(Path(run["out"]))
-    saves = [e for e in events if e.get("event") == "checkpoint"]
+    evs = events(Path(run["out"]))
+    saves = [e for e in evs if e.get("event") == "checkpoint"]
     times = sorted(e["time"] for e in saves)
     interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else wall
     blocked = sum(e.get("blocked_seconds", 0.0) for e in saves) / max(1, len(saves))
@@ -259,7 +255,7 @@ def _epoch_pace(run: dict) -> float | None:
     the run, to compare runs by."""
     import statistics
 
-    ends = [e["time"] for e in _events(Path(run["out"])) if e.get("event") == "epoch" and e.get("rank", 0) == 0]
+    ends = [e["time"] for e in events(Path(run["out"])) if e.get("event") == "epoch" and e.get("rank", 0) == 0]
     gaps = [b - a for a, b in zip(ends, ends[1:]) if 0 < b - a < 2.0]
     return round(statistics.median(gaps), 4) if gaps else None
 
