@@ -1,4 +1,5 @@
-"""`ballast` command line: lint and schema for spec authors, demo data, the local demo, benchmarks, planning."""
+"""`ballast` command line: lint and schema for spec authors, demo data, the local demo, benchmarks, planning,
+rendering a try's cluster job."""
 
 from __future__ import annotations
 
@@ -84,6 +85,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_render(args: argparse.Namespace) -> int:
+    from ballast.backends.preview import render
+    from ballast.spec import load_spec
+
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # the provider's pod builder logs to stdout: keep it YAML
+        text = render(load_spec(args.spec), try_number=args.try_number, after=args.after)
+    print(text, end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ballast", description="Declarative training pipelines on Airflow 3.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -124,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--epochs", type=int, help="goodput: epochs of the digits training (default 300, ~85 s here)")
     s.add_argument("--json", help="write the result JSON here")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("render", help="print what a try submits: Kubernetes manifests, a Slurm job, a torchrun argv")
+    s.add_argument("spec", help="spec file")
+    s.add_argument("--try", dest="try_number", type=int, default=1, help="the try number (default 1)")
+    s.add_argument("--after", nargs="*", default=[], metavar="CLASS[@HOST]",
+                   help="earlier tries' failures, oldest first (preempted, hang@node-7, oom): their adaptations show")
+    s.set_defaults(fn=cmd_render)
 
     s = sub.add_parser("plan", help="predict failures, goodput and the best checkpoint interval at N GPUs")
     s.add_argument("spec", help="spec file")

@@ -2,7 +2,7 @@
 
 No Airflow, no I/O beyond reading the file, no heavy imports: this package runs at DAG-parse time.
 One module per section (`dataset`, `validation`, `conversion` with the cache, `training` with evaluation,
-`recovery`, `deployment` for schedule, storage and execution), the whole in `root`, run parameters
+`recovery`, `deployment` for schedule and storage, `execution`), the whole in `root`, run parameters
 in `overrides`, one-line messages in `messages`, file reading in `loading`. Every setting a training
 process also reads is declared once, in `training.config.sections`, and composed here. Unknown keys
 are rejected; every problem is reported as ``FILE:LINE: field.path: what is wrong (got VALUE); fix``.
@@ -14,7 +14,8 @@ from typing import Any
 
 from ballast.spec.conversion import CacheSpec, CacheStageSpec, ConversionSpec
 from ballast.spec.dataset import DatasetSpec, FieldSpec, SplitSpec
-from ballast.spec.deployment import ExecutionSpec, KubernetesSpec, ScheduleSpec, StorageSpec
+from ballast.spec.deployment import ScheduleSpec, StorageSpec
+from ballast.spec.execution import ExecutionSpec, KubernetesSpec, SlurmSpec
 from ballast.spec.loading import json_schema, load_spec, parse_spec
 from ballast.spec.overrides import apply_overrides, check_parameter_names, get_path, parameter_paths
 from ballast.spec.root import SPEC_VERSION, Spec
@@ -32,7 +33,7 @@ def overridable_field(path: str) -> tuple[Any, str]:
 
 __all__ = [
     "SPEC_VERSION", "CacheSpec", "CacheStageSpec", "ConversionSpec", "DatasetSpec", "EvaluationSpec",
-    "ExecutionSpec", "FieldSpec", "KubernetesSpec", "RecoverySpec", "RuleSpec", "ScheduleSpec", "Spec",
+    "ExecutionSpec", "FieldSpec", "KubernetesSpec", "RecoverySpec", "RuleSpec", "ScheduleSpec", "SlurmSpec", "Spec",
     "SplitSpec", "StorageSpec", "TrainingSpec", "ValidationSpec", "apply_overrides", "check_parameter_names",
     "get_path", "json_schema", "load_spec", "overridable_field", "parameter_paths", "parse_spec",
 ]

@@ -1,4 +1,5 @@
-"""The spec's `schedule`, `storage` and `execution` sections: when, where its data lives, where it runs."""
+"""The spec's `schedule` and `storage` sections: when it runs and where its data lives (where it trains:
+`ballast.spec.execution`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from training.config.sections import ExecutionSettings, Section
+from training.config.sections import Section
 
 
 class ScheduleSpec(Section):
@@ -63,36 +64,3 @@ class StorageSpec(Section):
         if "://" in v and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", v):
             raise ValueError(f"must be a local path or s3://bucket/prefix (got {v!r})")
         return v
-
-
-class KubernetesSpec(Section):
-    image: str = Field(min_length=1)
-    """Training image (built from docker/training.Dockerfile)."""
-    namespace: str = "default"
-    """Namespace of the training pods."""
-    service_account: str | None = None
-    """Service account of the training pods."""
-    cpu: str = "2"
-    """CPU request per pod."""
-    memory: str = "8Gi"
-    """Memory request per pod."""
-    gpus_per_node: int = Field(0, ge=0, le=16)
-    """nvidia.com/gpu limit per pod."""
-
-
-class ExecutionSpec(ExecutionSettings):
-    backend: Literal["local", "kubernetes"] = "local"
-    """Where training runs: `local` (torchrun on the worker) or `kubernetes` (one pod per node)."""
-    kubernetes: KubernetesSpec | None = None
-    """Pod settings; required when backend is kubernetes."""
-
-    @model_validator(mode="after")
-    def _check_backend(self) -> ExecutionSpec:
-        if self.backend == "kubernetes" and self.kubernetes is None:
-            raise ValueError("kubernetes: backend 'kubernetes' needs a kubernetes section with at least image")
-        if self.backend == "kubernetes":
-            # Refused here rather than after hours of upstream stages: training pods still need their own
-            # cache warm-up and checkpoint upload, which only the local backend has so far.
-            raise ValueError("backend: 'kubernetes' cannot launch training pods in this release; use backend: local")
-        return self
-

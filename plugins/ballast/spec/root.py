@@ -8,7 +8,8 @@ from pydantic import Field, model_validator
 
 from ballast.spec.conversion import NAME_PATTERN, CacheSpec, ConversionSpec
 from ballast.spec.dataset import DatasetSpec
-from ballast.spec.deployment import ExecutionSpec, ScheduleSpec, StorageSpec
+from ballast.spec.deployment import ScheduleSpec, StorageSpec
+from ballast.spec.execution import ExecutionSpec
 from ballast.spec.overrides import resolve_field
 from ballast.spec.recovery import RecoverySpec
 from ballast.spec.training import EvaluationSpec, TrainingSpec
@@ -68,6 +69,11 @@ class Spec(Section):
             if fault.on_try is not None and fault.on_try > tries:
                 raise ValueError(f"training.rehearsal.faults[{i}].on_try: try {fault.on_try} never comes: the train"
                                  f" task has at most {tries} tries (recovery.retries / the policy's budgets)")
+        gpus = self.execution.gpus_per_node
+        if gpus and gpus != self.training.processes_per_node:
+            raise ValueError(f"training.processes_per_node: {self.training.processes_per_node} processes per node"
+                             f" but execution.{self.execution.backend}.gpus_per_node is {gpus}; one process per GPU:"
+                             f" set processes_per_node: {gpus}")
         leaves: dict[str, str] = {}
         for path in self.overridable:
             resolve_field(path, Spec)  # raises ValueError naming the path

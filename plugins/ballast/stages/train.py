@@ -286,27 +286,10 @@ def _failure(spec, rc: int, record: dict | None, log_tail: str, *, hung: bool, c
 
 
 def upload_checkpoints(ctx: RunContext, ckpt_dir: Path) -> list[str]:
-    """Copy committed checkpoints to remote storage (nothing to do when storage is this disk).
+    """Copy committed checkpoints to remote storage (nothing to do when storage is this disk)."""
+    from ballast import checkpoint_sync
 
-    Per checkpoint the files go first, then manifest.json, then COMMITTED: a reader of the storage copy
-    applies the same predicate as on local disk.
-    """
-    from training import checkpoint as ckpt
-
-    if ctx.storage.local_path(ctx.run_key) is not None:
-        return []
-    done = []
-    for path in ckpt.committed(ckpt_dir):
-        prefix = f"{ctx.run_key}/checkpoints/{path.name}"
-        if ctx.storage.exists(f"{prefix}/{ckpt.COMMIT_MARKER}"):
-            continue
-        files = sorted(p.name for p in path.iterdir() if p.is_file())
-        order = [f for f in files if f not in (ckpt.MANIFEST, ckpt.COMMIT_MARKER)] + [ckpt.MANIFEST, ckpt.COMMIT_MARKER]
-        for name in order:
-            ctx.storage.upload(path / name, f"{prefix}/{name}")
-        done.append(ctx.storage.describe(prefix))
-        ctx.log.info("checkpoint uploaded: %s", ctx.storage.describe(prefix))
-    return done
+    return [] if ctx.storage.local_path(ctx.run_key) is not None else checkpoint_sync.push(ctx, ckpt_dir)
 
 
 class _Warmer(threading.Thread):

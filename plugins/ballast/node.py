@@ -1,0 +1,183 @@
+"""What each node of a cluster try runs (a Kubernetes pod, a Slurm task): `python -m ballast.node --job REF`.
+
+The train task writes the try's job file (`NodeJob`: the effective spec, the run's identity, the run
+config) to the pipeline's storage; each node then, on its own:
+
+1. warms its node-local cache from storage: the same staged, verified warm-up as on the worker
+   (`ballast.stages.warm_cache.warm`), every stage before training starts;
+2. finds the checkpoints: with a shared file system (storage is a path every node sees, as on a Slurm
+   cluster) training commits straight into the run's checkpoint directory; with object storage the
+   node pulls the committed checkpoints first and pushes each newly committed one back (files, then
+   manifest, then the COMMITTED marker), while training runs and once it ends;
+3. runs the torchrun launcher (`training.launch`) with the c10d rendezvous endpoint of node 0
+   ($BALLAST_RDZV_ENDPOINT) and exits with its exit code, after its failure record and summary are in
+   storage.
+
+Its node rank comes from $BALLAST_NODE_RANK (a Job's completion index) or $SLURM_NODEID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ballast import checkpoint_sync
+from ballast.backends import NODE_RANK_ENV, RDZV_ENV
+
+log = logging.getLogger("ballast.node")
+SYNC_SECONDS = 10.0
+
+
+class NodeJob(BaseModel):
+    """One try's instructions to every node (`train/try-N/job.json` in the run's storage)."""
+
+    spec: dict[str, Any]
+    spec_file: str = ""
+    dag_id: str
+    run_id: str
+    task_id: str
+    try_number: int
+    name: str
+    run_config: dict[str, Any]
+    """The trainer's RunConfig; its directories are the worker's, replaced on the node where storage is remote."""
+    out_dir: str
+    checkpoint_dir: str
+
+
+def node_rank() -> int:
+    return int(os.environ.get(NODE_RANK_ENV) or os.environ.get("SLURM_NODEID") or 0)
+
+
+def node_name() -> str:
+    return os.environ.get("BALLAST_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _read_job(ref: str) -> NodeJob:
+    from ballast.storage import open_storage
+
+    if "://" in ref:
+        root, _, key = ref.partition("://")[2].partition("/")
+        bucket_uri = f"s3://{root}"
+        storage = open_storage(bucket_uri, None)
+        return NodeJob.model_validate_json(storage.read_bytes(key))
+    return NodeJob.model_validate_json(Path(ref).read_bytes())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ballast.node", description=__doc__.splitlines()[0])
+    p.add_argument("--job", required=True, help="the try's job file: a path, or s3://bucket/key")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[node %(rank)s] %(message)s")
+    rank = node_rank()
+    logging.getLogger().handlers[0].addFilter(_RankFilter(rank))
+    from ballast.errors import BallastError
+
+    try:
+        return run(_read_job(args.job), rank)
+    except BallastError as exc:
+        log.error("%s", exc)
+        from training.failure import EXIT_CODES
+
+        return EXIT_CODES["config"] if getattr(exc, "failure_class", "config") == "config" else 1
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def run(job: NodeJob, rank: int) -> int:
+    from ballast.context import RunContext
+    from ballast.launch_spec import torchrun_argv
+    from ballast.spec import Spec
+    from ballast.stages.warm_cache import warm
+    from training.config.run import RunConfig
+
+    data = dict(job.spec)
+    cache_dir = os.environ.get("BALLAST_CACHE_DIR")
+    if cache_dir:
+        data["cache"] = {**data.get("cache", {}), "directory": str(Path(cache_dir) / f"node{rank}")}
+    spec = Spec.model_validate(data)
+    ctx = RunContext(spec=spec, dag_id=job.dag_id, run_id=job.run_id, try_number=job.try_number, log=log,
+                     task_id=job.task_id, spec_file=job.spec_file)
+    host = node_name()
+    log.info("node %d of %d on %s: try %d of %s", rank, spec.training.nodes, host, job.try_number, job.dag_id)
+    cache = warm(ctx, list(range(len(spec.cache.stages))))
+    shared = ctx.storage.local_path(ctx.run_key) is not None
+    if shared:
+        out_dir, ckpt_dir = Path(job.out_dir), Path(job.checkpoint_dir)
+    else:
+        work = Path(os.environ.get("BALLAST_WORK_DIR") or ctx.work_dir) / f"node{rank}"
+        out_dir, ckpt_dir = work / "train", work / "checkpoints"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        pulled = checkpoint_sync.pull(ctx, ckpt_dir)
+        log.info("checkpoints from storage: %s", ", ".join(pulled) or "none")
+    cfg = RunConfig.model_validate(job.run_config)
+    micro = os.environ.get("BALLAST_MICRO_BATCH_SIZE")
+    batch = cfg.batch if not micro else cfg.batch.model_copy(update={
+        "micro_batch_size": int(micro),
+        "grad_accum_steps": spec.training.grad_accum_for(int(micro))})
+    cfg = cfg.model_copy(update={
+        "output_dir": str(out_dir), "batch": batch,
+        "data": cfg.data.model_copy(update={"directory": cache.cache_dir, "format": cache.format}),
+        "checkpoint": cfg.checkpoint.model_copy(update={"directory": str(ckpt_dir)})})
+    config_path = out_dir / f"run-node{rank}.json"
+    cfg.dump(config_path)
+    argv = torchrun_argv(spec, config_path, rdzv_endpoint=os.environ.get(RDZV_ENV), run_id=job.name)
+    log.info("launching: %s", " ".join(argv))
+    env = {**os.environ, "BALLAST_HOST": host}
+    proc = subprocess.Popen(argv, env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))  # a preemption notice reaches the ranks
+    syncer = None if shared or rank != 0 else _Syncer(ctx, ckpt_dir)
+    rc = proc.wait()
+    if syncer is not None:
+        syncer.stop()
+        checkpoint_sync.push(ctx, ckpt_dir)
+        push_outputs(ctx, out_dir)
+    log.info("launcher exited %d", rc)
+    return rc
+
+
+def push_outputs(ctx, out_dir: Path) -> None:
+    """The trainer's failure record(s), summary and events, where the train task reads them."""
+    for path in sorted(out_dir.iterdir()):
+        if path.is_file() and path.suffix in (".json", ".jsonl"):
+            ctx.storage.upload(path, f"{ctx.run_key}/train/{path.name}")
+
+
+class _Syncer(threading.Thread):
+    def __init__(self, ctx, ckpt_dir: Path):
+        super().__init__(name="checkpoint-sync", daemon=True)
+        self.ctx, self.ckpt_dir, self._stop = ctx, ckpt_dir, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._stop.wait(SYNC_SECONDS):
+            try:
+                checkpoint_sync.push(self.ctx, self.ckpt_dir)
+            except Exception as exc:  # noqa: BLE001  (the next round, or the final push, tries again)
+                log.warning("checkpoint upload failed (will retry): %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

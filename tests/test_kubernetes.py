@@ -1,0 +1,274 @@
+"""The Kubernetes backend offline: manifests built by the provider's own pod builder, serialised by the
+kubernetes client and validated strictly against Kubernetes' schemas (kubernetes-validate), plus what
+schema validation misses; failure reasons read from pod statuses shaped as clusters report them.
+
+No cluster runs here: nothing in this file talks to an API server.
+"""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+from ballast.backends import Launch, k8s_manifests, k8s_status, launch_for
+from ballast.backends.preview import earlier_tries
+from ballast.recovery import adapt
+from ballast.spec import parse_spec
+from helpers import example_data, write_spec
+from kubernetes.client import models as k8s
+
+K8S_VERSION = "1.33"
+POOLS = {
+    "spot": {"node_selector": {"cloud.example.com/capacity": "spot"},
+             "tolerations": [{"key": "cloud.example.com/spot", "operator": "Exists", "effect": "NoSchedule"}],
+             "priority_class": "training-preemptible"},
+    "on-demand": {"node_selector": {"cloud.example.com/capacity": "on-demand"}},
+}
+
+
+def k8s_spec(nodes: int = 1, **kube):
+    data = example_data()
+    data["training"].update(nodes=nodes, global_batch_size=64 * nodes)
+    section = {"image": "registry.example.com/ballast-training:1.0", "gpus_per_node": 2,
+               "gpu_resource": "nvidia.com/gpu", "cpu": "16", "memory": "120Gi", "shm_size": "16Gi",
+               "cache": {"size": "200Gi"}, "pools": POOLS, "service_account": "trainer",
+               "storage_secret": "ballast-s3", "namespace": "ml", **kube}
+    data["execution"] = {"backend": "kubernetes", "kubernetes": section}
+    data["recovery"] = {"preempt_grace_seconds": 90}
+    return parse_spec(data)
+
+
+def launch(spec, try_number=1, after=()):
+    settings, _ = adapt.next_settings(spec, earlier_tries(list(after)))
+    return launch_for(spec, settings, dag_id=spec.dag_id, run_id="manual__2026-12-03", task_id="train",
+                      try_number=try_number, job_ref="s3://bucket/runs/x/train/try-1/job.json")
+
+
+def docs(spec, lau):
+    return k8s_manifests.as_dicts(k8s_manifests.objects(spec, lau))
+
+
+def validate(doc):
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on an unknown field or a bad type
+
+
+def pod_spec(doc):
+    return doc["spec"]["template"]["spec"] if doc["kind"] == "Job" else doc["spec"]
+
+
+def check_training_pod(spec, ps):
+    """What every training pod carries, one node or many."""
+    (c,) = ps["containers"]
+    assert c["name"] == "train" and c["image"] == "registry.example.com/ballast-training:1.0"
+    assert c["command"] == ["python"] and c["args"][:3] == ["-m", "ballast.node", "--job"]  # a list, no shell
+    want = {"cpu": "16", "memory": "120Gi", "nvidia.com/gpu": "2"}
+    assert c["resources"]["requests"] == want and c["resources"]["limits"] == want
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["readOnlyRootFilesystem"]
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert ps["securityContext"]["runAsNonRoot"] and ps["securityContext"]["runAsUser"] != 0
+    assert ps["restartPolicy"] == "Never"
+    assert ps["terminationGracePeriodSeconds"] == 90  # recovery.preempt_grace_seconds
+    assert ps["serviceAccountName"] == "trainer"
+    volumes = {v["name"]: v for v in ps["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert volumes["cache"]["emptyDir"] == {"sizeLimit": "200Gi"}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm" and mounts["/cache"] == "cache" and mounts["/tmp"] == "tmp"
+    assert set(mounts.values()) <= set(volumes)  # every mount has its volume
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NCCL_DEBUG"]["value"] == "WARN" and env["BALLAST_CACHE_DIR"]["value"] == "/cache"
+    assert c["envFrom"] == [{"secretRef": {"name": "ballast-s3"}}]
+    return c, env
+
+
+@pytest.mark.unit
+def test_a_one_node_manifest_is_a_pod_that_validates_strictly_and_carries_the_spec():
+    spec = k8s_spec(nodes=1)
+    (doc,) = docs(spec, launch(spec))
+    validate(doc)
+    assert doc["kind"] == "Pod" and doc["metadata"]["namespace"] == "ml"
+    labels = doc["metadata"]["labels"]
+    assert labels["ballast.dev/try"] == "1" and labels["try_number"] == "1"  # the provider's labels, and ours
+    assert labels["dag_id"] == spec.dag_id and labels["task_id"] == "train"
+    c, env = check_training_pod(spec, doc["spec"])
+    assert env["BALLAST_NODE_RANK"]["value"] == "0" and "BALLAST_RDZV_ENDPOINT" not in env
+    ps = doc["spec"]
+    assert ps["nodeSelector"] == {"cloud.example.com/capacity": "spot"}  # the default pool
+    assert ps["tolerations"] == [{"key": "cloud.example.com/spot", "operator": "Exists", "effect": "NoSchedule"}]
+    assert ps["priorityClassName"] == "training-preemptible"
+    assert not ps.get("affinity")  # no avoid list, one node
+
+
+@pytest.mark.unit
+def test_a_four_node_manifest_is_an_indexed_job_with_a_headless_service():
+    spec = k8s_spec(nodes=4)
+    service, job = docs(spec, launch(spec))
+    for doc in (service, job):
+        validate(doc)
+    name = job["metadata"]["name"]
+    js = job["spec"]
+    assert js["completionMode"] == "Indexed" and js["completions"] == js["parallelism"] == 4
+    assert js["backoffLimit"] == spec.recovery.max_restarts
+    rules = js["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    fail = rules[1]
+    assert fail["action"] == "FailJob" and fail["onExitCodes"]["containerName"] == "train"
+    assert set(fail["onExitCodes"]["values"]) == {64, 65, 70}  # config, data, user_code: a retry cannot help
+    # Cross-field rules no schema checks: the pods' DNS names are the Service's, node 0 is the rendezvous.
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
+    ps = js["template"]["spec"]
+    assert ps["subdomain"] == service["metadata"]["name"] == name
+    assert len(f"{name}-{js['completions'] - 1}") <= 63  # pod hostnames are DNS labels
+    c, env = check_training_pod(spec, ps)
+    assert env["BALLAST_RDZV_ENDPOINT"]["value"] == f"{name}-0.{name}.ml.svc:29400"
+    assert env["BALLAST_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert {"name": "c10d", "containerPort": 29400} in c["ports"]
+    anti = ps["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"  # one pod per node
+    assert job["metadata"]["labels"]["ballast.dev/try"] == js["template"]["metadata"]["labels"]["ballast.dev/try"]
+
+
+@pytest.mark.unit
+def test_try_two_after_preemptions_moves_to_the_on_demand_pool():
+    spec = k8s_spec(nodes=4)
+    first = docs(spec, launch(spec, 1))[1]
+    after = docs(spec, launch(spec, 3, after=["preempted", "preempted"]))[1]  # on_demand_after_preemptions: 2
+    validate(after)
+    before_ps, after_ps = pod_spec(first), pod_spec(after)
+    assert before_ps["nodeSelector"] == {"cloud.example.com/capacity": "spot"}
+    assert after_ps["nodeSelector"] == {"cloud.example.com/capacity": "on-demand"}
+    assert "tolerations" not in after_ps or not after_ps["tolerations"]  # no spot toleration on on-demand
+    assert after["metadata"]["name"].endswith("-t3") and after["metadata"]["labels"]["ballast.dev/try"] == "3"
+    one = docs(spec, launch(spec, 2, after=["preempted"]))[1]  # one preemption: still spot
+    assert pod_spec(one)["nodeSelector"] == {"cloud.example.com/capacity": "spot"}
+
+
+@pytest.mark.unit
+def test_try_two_after_a_hang_avoids_the_host_and_after_an_oom_has_the_smaller_micro_batch():
+    spec = k8s_spec(nodes=4)
+    job = docs(spec, launch(spec, 2, after=["hang@gpu-node-17"]))[1]
+    validate(job)
+    terms = pod_spec(job)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-node-17"]}]}]
+    oom = docs(spec, launch(spec, 2, after=["oom"]))[1]
+    env = {e["name"]: e.get("value") for e in pod_spec(oom)["containers"][0]["env"]}
+    assert int(env["BALLAST_MICRO_BATCH_SIZE"]) < spec.training.micro_batch_size
+
+
+@pytest.mark.unit
+def test_render_prints_the_manifests_as_yaml(tmp_path, capsys):
+    from ballast.cli import main
+
+    data = example_data()
+    data["execution"] = {"backend": "kubernetes", "kubernetes": {"image": "ballast-training:1", "pools": POOLS}}
+    path = write_spec(tmp_path / "k.yaml", data=data)
+    assert main(["render", str(path), "--try", "3", "--after", "preempted", "preempted"]) == 0
+    (pod,) = list(yaml.safe_load_all(capsys.readouterr().out))
+    validate(pod)
+    assert pod["spec"]["nodeSelector"] == {"cloud.example.com/capacity": "on-demand"}
+    assert pod["metadata"]["labels"]["ballast.dev/try"] == "3"
+
+
+BAD = [
+    ("no image", {"image": ""}, r"execution\.kubernetes\.image"),
+    ("no section", None, r"execution\.kubernetes: backend 'kubernetes' needs a kubernetes section with at least image"),
+    ("gpus without a resource", {"gpu_resource": None},
+     r"execution\.kubernetes\.gpu_resource: gpus_per_node is 2 but no GPU resource is named"),
+    ("unknown pool", {"pools": {"spot": {}, "reserved": {}}}, r"execution\.kubernetes\.pools\.reserved"),
+    ("default pool missing", {"pools": {"on-demand": {}}}, r"execution\.kubernetes\.default_pool: 'spot' is not among"),
+    ("bad quantity", {"memory": "lots"}, r"execution\.kubernetes\.memory: 'lots' is not a valid Kubernetes quantity"),
+    ("bad namespace", {"namespace": "ML_Team"}, r"execution\.kubernetes\.namespace"),
+    ("gpus and processes differ", {"gpus_per_node": 4},
+     r"training\.processes_per_node: 2 processes per node but execution\.kubernetes\.gpus_per_node is 4"),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("what,section,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_kubernetes_sections_are_refused_with_one_line_naming_the_field(what, section, message):
+    from ballast.errors import SpecError
+
+    data = example_data()
+    base = {"image": "ballast-training:1", "gpus_per_node": 2, "gpu_resource": "nvidia.com/gpu"}
+    data["execution"] = {"backend": "kubernetes"}
+    if section is not None:
+        data["execution"]["kubernetes"] = {**base, **section}
+    with pytest.raises(SpecError, match=message) as err:
+        parse_spec(data)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.unit
+def test_a_node_count_beyond_what_the_job_expresses_is_refused():
+    from ballast.errors import SpecError
+
+    data = example_data()
+    data["training"].update(nodes=5000)
+    data["execution"] = {"backend": "kubernetes", "kubernetes": {"image": "ballast-training:1"}}
+    with pytest.raises(SpecError, match=r"training\.nodes"):
+        parse_spec(data)
+
+
+# --- failure reasons, from pod statuses as clusters report them -------------------------------------
+
+
+def pod_with(phase, *, reason=None, message=None, exit_code=None, term_reason=None, conditions=(), node="gpu-3"):
+    term = (k8s.V1ContainerStateTerminated(exit_code=exit_code, reason=term_reason,
+                                           finished_at="2026-12-03T10:00:00Z")
+            if exit_code is not None else None)
+    statuses = [k8s.V1ContainerStatus(name="train", image="i", image_id="", ready=False, restart_count=0,
+                                      state=k8s.V1ContainerState(terminated=term))] if term else None
+    return k8s.V1Pod(spec=k8s.V1PodSpec(containers=[], node_name=node), status=k8s.V1PodStatus(
+        phase=phase, reason=reason, message=message, container_statuses=statuses,
+        conditions=[k8s.V1PodCondition(type=t, status="True", reason=r, message=m) for t, r, m in conditions]))
+
+
+REASONS = [
+    ("oomkilled", pod_with("Failed", exit_code=137, term_reason="OOMKilled"), "oom", "OOMKilled"),
+    ("evicted", pod_with("Failed", reason="Evicted", message="The node was low on resource: memory."),
+     "preempted", "Evicted"),
+    ("preemption", pod_with("Failed", exit_code=143, term_reason="Error", conditions=[
+        ("DisruptionTarget", "PreemptionByScheduler", "Kubernetes Scheduler: preempting to accommodate a higher"
+                                                     " priority pod")]), "preempted", "PreemptionByScheduler"),
+    ("drain", pod_with("Failed", exit_code=143, conditions=[
+        ("DisruptionTarget", "EvictionByEvictionAPI", "Eviction API: evicting")]), "preempted", "EvictionByEvictionAPI"),
+    ("node shutdown", pod_with("Failed", exit_code=143, conditions=[
+        ("DisruptionTarget", "TerminationByKubelet", "Pod was terminated in response to imminent node shutdown.")]),
+     "preempted", "TerminationByKubelet"),
+    ("taint", pod_with("Failed", conditions=[
+        ("DisruptionTarget", "DeletionByTaintManager", "Taint manager: deleting due to NoExecute taint")]),
+     "hardware", "DeletionByTaintManager"),
+    ("pod gc", pod_with("Failed", conditions=[
+        ("DisruptionTarget", "DeletionByPodGC", "PodGC: node no longer exists")]), "hardware", "DeletionByPodGC"),
+    ("node lost", pod_with("Unknown", reason="NodeLost", message="Node gpu-3 which was running pod is unresponsive"),
+     "hardware", "NodeLost"),
+    ("class exit code", pod_with("Failed", exit_code=73, term_reason="Error"), None, "Error"),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("what,pod,cls,reason", REASONS, ids=[r[0] for r in REASONS])
+def test_failure_reasons_are_read_from_the_pod(what, pod, cls, reason):
+    end = k8s_status.ending(pod)
+    assert end is not None and end.failure_class == cls and end.reason.startswith(reason)
+    assert end.host == "gpu-3" and not end.ok
+
+
+@pytest.mark.unit
+def test_a_running_pod_has_not_ended_and_a_succeeded_one_is_ok():
+    assert k8s_status.ending(pod_with("Running")) is None
+    ok = k8s_status.ending(pod_with("Succeeded", exit_code=0, term_reason="Completed"))
+    assert ok.ok and ok.exit_code == 0
+
+
+@pytest.mark.unit
+def test_of_a_jobs_pods_the_platform_reason_explains_the_failure():
+    preempted = pod_with("Failed", exit_code=143, conditions=[("DisruptionTarget", "PreemptionByScheduler", "")],
+                         node="gpu-1")
+    peer = pod_with("Failed", exit_code=72, term_reason="Error", node="gpu-2")  # its communication error followed
+    end = k8s_status.first_failure([peer, preempted])
+    assert end.failure_class == "preempted" and end.host == "gpu-1"
