@@ -15,7 +15,7 @@ export AIRFLOW__CORE__EXECUTOR ?= LocalExecutor
 export GX_ANALYTICS_ENABLED ?= False
 export TQDM_DISABLE ?= 1
 
-.PHONY: env java demo test unit ui lint schema bench constraints clean
+.PHONY: env java slurm demo test unit ui lint schema bench constraints clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,16 @@ java:
 
 env: $(BIN)/.installed java
 
+# Slurm's daemons and clients, and munge, for the slurm backend's tests (a real cluster of three node
+# daemons on this machine: tests/slurm_cluster.py); installed from Debian when missing.
+slurm:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { echo "installing Slurm (slurmctld slurmd slurm-client munge)"; \
+	  apt-get update -qq && apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null; }
+
 demo: env
 	$(BIN)/ballast demo
 
-test: env
+test: env slurm
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # The fast tier: in-process tests of spec, plan, records, launch specs, checkpoints and codecs (under a

@@ -112,6 +112,12 @@ def classify(exc: BaseException) -> str:
     return match.failure_class if match else "user_code"
 
 
+def host_name() -> str:
+    """The node this process runs on, as its scheduler names it: BALLAST_HOST (set by `ballast.node`
+    from the Slurm node or Kubernetes node name), else the host name."""
+    return os.environ.get("BALLAST_HOST") or socket.gethostname()
+
+
 def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: int) -> dict:
     cls = classify(exc)
     record = {
@@ -122,7 +128,7 @@ def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: i
         "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:],
         "step": step,
         "rank": rank,
-        "host": socket.gethostname(),
+        "host": host_name(),
         "pid": os.getpid(),
         "time": time.time(),
     }

@@ -12,12 +12,11 @@ the host on the avoid list for the next try).
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from training.failure import TrainingFailure
+from training.failure import TrainingFailure, host_name
 
 CHECKPOINTS_OF_ROOM = 2
 
@@ -35,7 +34,7 @@ def run_checks(dist: Any, *, checkpoint_dir: Path, need_bytes: int) -> dict[str,
     """Run every check on this rank; raise a hardware TrainingFailure at the first that fails."""
     import torch
 
-    host = socket.gethostname()
+    host = host_name()
     t0 = time.monotonic()
     if dist.device.type == "cuda":
         visible = torch.cuda.device_count()

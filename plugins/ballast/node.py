@@ -109,13 +109,15 @@ def run(job: NodeJob, rank: int) -> int:
     from training.config.run import RunConfig
 
     data = dict(job.spec)
-    cache_dir = os.environ.get("BALLAST_CACHE_DIR")
-    if cache_dir:
-        data["cache"] = {**data.get("cache", {}), "directory": str(Path(cache_dir) / f"node{rank}")}
+    host = node_name()
+    # The node-local cache: $BALLAST_CACHE_DIR (a pod's cache volume) or the spec's cache directory, in a
+    # directory of this node's own (nodes that share a disk never warm one directory at once).
+    base = os.environ.get("BALLAST_CACHE_DIR") or (data.get("cache") or {}).get("directory")
+    if base:
+        data["cache"] = {**(data.get("cache") or {}), "directory": str(Path(base) / f"node-{host}")}
     spec = Spec.model_validate(data)
     ctx = RunContext(spec=spec, dag_id=job.dag_id, run_id=job.run_id, try_number=job.try_number, log=log,
                      task_id=job.task_id, spec_file=job.spec_file)
-    host = node_name()
     log.info("node %d of %d on %s: try %d of %s", rank, spec.training.nodes, host, job.try_number, job.dag_id)
     cache = warm(ctx, list(range(len(spec.cache.stages))))
     shared = ctx.storage.local_path(ctx.run_key) is not None

@@ -76,6 +76,9 @@ def stop_running(reason: str = "the task was stopped") -> None:
     each whole group with SIGKILL and wait for it to be gone."""
     for group in list(_RUNNING):
         _cancel(group, reason)
+    from ballast.backends import remote
+
+    remote.stop_all(reason)  # and every cluster job (a Slurm job, a Kubernetes Job or pod)
 
 
 def was_cancelled(out_dir: Path) -> bool:

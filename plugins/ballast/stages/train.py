@@ -41,7 +41,7 @@ def run(ctx: RunContext) -> TrainResult:
                                           start=start)
     for note in notes:
         ctx.log.warning("adapting: %s", note)
-    if settings.capacity != "default" or settings.avoid_hosts:
+    if spec.execution.backend == "local" and (settings.capacity != "default" or settings.avoid_hosts):
         ctx.log.info("local backend: capacity %s, hosts to avoid %s recorded (it trains on this machine)",
                      settings.capacity, list(settings.avoid_hosts) or "none")
     _archive_failure_record(out_dir)
@@ -51,7 +51,7 @@ def run(ctx: RunContext) -> TrainResult:
     hist = history.put(hist, attempt)
     history.save(ctx, hist)
     try:
-        result = _train(ctx, cache, out_dir, ckpt_dir, settings.micro_batch_size)
+        result = _train(ctx, cache, out_dir, ckpt_dir, settings)
     except BaseException as exc:
         # The task is being stopped (SIGTERM -> on_kill, an interrupt) or training was cancelled under it.
         cancelled = isinstance(exc, Cancelled) or not isinstance(exc, Exception) or was_cancelled(out_dir)
@@ -88,6 +88,10 @@ def _close_earlier_try(ctx: RunContext, hist, out_dir: Path, ckpt_dir: Path):
     """End what an earlier try left running; complete its record if it was killed before writing it,
     and count its failure against its class's budget (the retry policy never saw it)."""
     lease = end_leftovers(out_dir, ctx.log)
+    if ctx.spec.execution.backend != "local":
+        from ballast.backends import remote
+
+        lease = remote.end_leftovers(ctx.spec, out_dir, out_dir / "jobs", ctx.log) or lease
     hist, closed = history.close_unfinished(hist, out_dir, ckpt_dir, lease=lease)
     if closed is None:
         return hist
@@ -218,16 +222,26 @@ def _archive_failure_record(out_dir: Path) -> None:
             os.replace(other, out_dir / f"failure-{stamp}-{other.name.removeprefix('failure-')}")
 
 
-def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) -> TrainResult:
+def _run_config(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int):
+    spec = ctx.spec
+    return run_config(spec, data_dir=cache.cache_dir, data_format=cache.format, checkpoint_dir=str(ckpt_dir),
+                      output_dir=str(out_dir), micro_batch_size=micro,
+                      data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0,
+                      faults=rehearsal_faults(ctx, steps_planned(ctx)),
+                      epochs=ctx.round * spec.training.epochs_per_round if ctx.round else None,
+                      init_weights=_warm_start(ctx, ckpt_dir))
+
+
+def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adapt.TrySettings) -> TrainResult:
     from training.failure import read_record
 
     spec = ctx.spec
-    cfg = run_config(spec, data_dir=cache.cache_dir, data_format=cache.format, checkpoint_dir=str(ckpt_dir),
-                     output_dir=str(out_dir), micro_batch_size=micro,
-                     data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0,
-                     faults=rehearsal_faults(ctx, steps_planned(ctx)),
-                     epochs=ctx.round * spec.training.epochs_per_round if ctx.round else None,
-                     init_weights=(init := _warm_start(ctx, ckpt_dir)))
+    micro = settings.micro_batch_size
+    cfg = _run_config(ctx, cache, out_dir, ckpt_dir, micro)
+    if spec.execution.backend != "local":
+        from ballast.stages.train_remote import train_remote
+
+        return train_remote(ctx, cfg, out_dir, ckpt_dir, settings)
     config_path = out_dir / "run.json"
     cfg.dump(config_path)
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
@@ -246,25 +260,31 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int) ->
     if warmer and warmer.error:
         raise warmer.error  # a damaged shard or a full disk: training could not have finished on this cache
     if rc != 0:
-        raise _failure(spec, rc, read_record(out_dir), "\n".join(tail), hung=hung,
+        raise failure(spec, rc, read_record(out_dir), "\n".join(tail), hung=hung,
                        cancelled=was_cancelled(out_dir))
+    return result(ctx, cfg, out_dir, ckpt_dir, uploaded=upload_checkpoints(ctx, ckpt_dir))
+
+
+def result(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, *, uploaded: list[str]) -> TrainResult:
+    """The train record of a try that trained to the end (its summary in `out_dir`)."""
+    spec = ctx.spec
     summary = json.loads((out_dir / "summary.json").read_text())
-    uploaded = upload_checkpoints(ctx, ckpt_dir)
     best = BestValidation.model_validate(summary["best"]) if summary["best"] else None
     ctx.log.info("training done: %d epochs, %d steps, best val %s %.4f at step %s%s", summary["epochs"],
                  summary["steps"], spec.evaluation.metric, best.value if best else float("nan"),
                  best.step if best else None, " (stopped early)" if summary["stopped_early"] else "")
+    init = cfg.checkpoint.init_weights
     return TrainResult(summary=str(out_dir / "summary.json"), checkpoint_dir=str(ckpt_dir),
                        best_checkpoint=summary["best_checkpoint"], last_checkpoint=summary["last_checkpoint"],
                        epochs=summary["epochs"], steps=summary["steps"], stopped_early=summary["stopped_early"],
-                       best=best, micro_batch_size=micro, uploaded_checkpoints=uploaded,
+                       best=best, micro_batch_size=cfg.batch.micro_batch_size, uploaded_checkpoints=uploaded,
                        warm_started_from=Path(init).stem if init else _warmed_before(ctx))
 
 
 TAIL_LINES = 200  # torchrun's last lines, read for known error messages when a try fails
 
 
-def _failure(spec, rc: int, record: dict | None, log_tail: str, *, hung: bool, cancelled: bool) -> BaseException:
+def failure(spec, rc: int, record: dict | None, log_tail: str, *, hung: bool, cancelled: bool) -> BaseException:
     """The error a failed try ends with: its class from the failure record, torchrun's exit and the
     log's last lines, through the one table of known messages (training.failure_patterns)."""
     from training.failure_patterns import CANCELLED, classify_exit

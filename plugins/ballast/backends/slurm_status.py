@@ -1,0 +1,55 @@
+"""How a Slurm job ended, read back from `scontrol show job -o` (or `sacct`), in recovery's classes.
+
+- OUT_OF_MEMORY (the job's cgroup hit --mem): `oom`;
+- PREEMPTED (a higher-priority job took the nodes), TIMEOUT and DEADLINE (the time limit: training had
+  its notice, `--signal`, and checkpointed): `preempted`, a new try resumes;
+- NODE_FAIL and BOOT_FAIL (a node died or never came up): `hardware`, the node goes on the avoid list;
+- FAILED with an exit code: nothing the platform knows (the failure record and the log decide);
+- CANCELLED: ours (a cancel, a kill of the task) or someone else's (an administrator): not a failure
+  class; the train task tells them apart.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ballast.backends import Ending
+
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "PREEMPTED", "NODE_FAIL",
+                      "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"})
+CLASSES = {"OUT_OF_MEMORY": "oom", "PREEMPTED": "preempted", "TIMEOUT": "preempted", "DEADLINE": "preempted",
+           "NODE_FAIL": "hardware", "BOOT_FAIL": "hardware"}
+_FIELD = re.compile(r"(\w+(?::\w+)?)=(\S*)")
+
+
+def parse_show_job(line: str) -> dict[str, str]:
+    """`scontrol show job -o ID`: one line of Key=Value pairs."""
+    return {m.group(1): m.group(2) for m in _FIELD.finditer(line)}
+
+
+def first_node(nodelist: str) -> str | None:
+    """The first host of a Slurm node list (`n[1-3],m2` -> n1)."""
+    if not nodelist or nodelist in ("(null)", "None"):
+        return None
+    m = re.match(r"([^,\[]+)(?:\[(\d+)[^\]]*\])?", nodelist)
+    return (m.group(1) + (m.group(2) or "")) if m else None
+
+
+def ending(fields: dict[str, str], *, cancelled_by_us: bool = False) -> Ending | None:
+    """The ending of a job from its fields (JobState, Reason, ExitCode, NodeList); None while it runs."""
+    state = fields.get("JobState", "").split()[0] if fields.get("JobState") else ""
+    if state not in TERMINAL:
+        return None
+    code_text, _, signal_text = fields.get("ExitCode", "0:0").partition(":")
+    code, sig = int(code_text or 0), int(signal_text or 0)
+    exit_code = -sig if sig and not code else code
+    reason = fields.get("Reason", "None")
+    host = first_node(fields.get("BatchHost", "") if state != "NODE_FAIL" else fields.get("NodeList", "")) \
+        or first_node(fields.get("NodeList", ""))
+    said = state + (f" ({reason})" if reason not in ("None", "") else "")
+    if state == "COMPLETED":
+        return Ending(exit_code, host=host, reason=said)
+    if state == "CANCELLED":
+        return Ending(exit_code, host=host, reason=said, cancelled=cancelled_by_us,
+                      failure_class=None if cancelled_by_us else "preempted")
+    return Ending(exit_code, host=host, reason=said, failure_class=CLASSES.get(state))

@@ -1,0 +1,77 @@
+"""The train stage's try on a cluster backend (Slurm, Kubernetes): the try's job file to storage, the
+job started and followed through `ballast.backends.remote`, its outcome read back.
+
+The nodes warm their own caches and train (`ballast.node`); their failure record and summary reach the
+task through storage (on a shared file system they are written where the task reads them). How the
+try ended is the platform's reason where it has one (OOMKilled, a preemption, a node failure), else the
+failure record and the log, through the same table as a local try (`train.failure`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+from ballast.backends import Ending, job_key, job_ref, launch_for, remote
+from ballast.context import RunContext
+from ballast.errors import Cancelled, training_error
+from ballast.node import NodeJob
+from ballast.records import TrainResult
+from ballast.recovery.adapt import TrySettings
+
+TAIL_LINES = 200
+
+
+def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: TrySettings) -> TrainResult:
+    from ballast import checkpoint_sync
+    from ballast.stages.train import failure, result
+    from training.failure import read_record
+
+    spec = ctx.spec
+    shared = ctx.storage.local_path(ctx.run_key) is not None
+    launch = launch_for(spec, settings, dag_id=ctx.dag_id, run_id=ctx.run_id, task_id=ctx.task_id or "train",
+                        try_number=ctx.try_number, job_ref=job_ref(ctx, ctx.try_number),
+                        python=spec.execution.slurm.python if spec.execution.slurm else "python")
+    job = NodeJob(spec=spec.model_dump(mode="json"), spec_file=ctx.spec_file, dag_id=ctx.dag_id, run_id=ctx.run_id,
+                  task_id=ctx.task_id or "train", try_number=ctx.try_number, name=launch.name,
+                  run_config=cfg.model_dump(mode="json"), out_dir=str(out_dir), checkpoint_dir=str(ckpt_dir))
+    ctx.storage.write_bytes(job_key(ctx.run_key, ctx.try_number), job.model_dump_json(indent=1).encode())
+    backend = remote.backend_for(spec, out_dir / "jobs", ctx.log)
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    end, hung = remote.run(backend, launch, out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60,
+                           heartbeat=shared, tail=tail)
+    if not shared:
+        _fetch_outputs(ctx, out_dir)
+    if end.cancelled:
+        raise Cancelled(f"training cancelled ({spec.execution.backend} job {launch.name}: {end.reason})")
+    if end.ok:
+        # The stages after training (verify, evaluate) read the checkpoints here, as after a local try.
+        pulled = [] if shared else checkpoint_sync.pull(ctx, ckpt_dir)
+        return result(ctx, cfg, out_dir, ckpt_dir,
+                      uploaded=[ctx.storage.describe(f"{ctx.run_key}/checkpoints/{n}") for n in pulled])
+    record = read_record(out_dir)
+    if end.failure_class is not None and not hung and (record is None or end.failure_class in ("oom", "hardware",
+                                                                                                "preempted")):
+        raise platform_failure(spec, end, launch.name)
+    err = failure(spec, end.exit_code if end.exit_code is not None else 1, record, "\n".join(tail), hung=hung,
+                  cancelled=False)
+    if getattr(err, "host", None) is None:
+        err.host = end.host  # the node the platform reports, for the avoid list
+    raise err
+
+
+def platform_failure(spec, end: Ending, name: str) -> BaseException:
+    """A try the platform ended (its reason names the class): preempted, OOM-killed, a node lost."""
+    err = training_error(f"{spec.execution.backend} job {name} ended: {end.reason} (class {end.failure_class};"
+                         f" exit code {end.exit_code}; node {end.host})", end.failure_class)
+    err.exit_code, err.host, err.step = end.exit_code, end.host, None
+    return err
+
+
+def _fetch_outputs(ctx: RunContext, out_dir: Path) -> None:
+    """The node's failure record(s) and summary, from storage into the task's `out_dir`."""
+    prefix = f"{ctx.run_key}/train/"
+    for key in ctx.storage.list(prefix):
+        name = key[len(prefix):]
+        if "/" not in name and name.endswith((".json", ".jsonl")):
+            ctx.storage.download(key, out_dir / name)

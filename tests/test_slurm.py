@@ -1,0 +1,206 @@
+"""The Slurm backend on a real Slurm cluster (tests/slurm_cluster.py: slurmctld and three node daemons on
+this machine, Debian's slurm-wlm): real sbatch/srun jobs of the example pipeline, a node's failure
+excluded from the next try, a kill recovered from the committed checkpoint, a cancel that scancels.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ballast.backends import Launch, slurm_script, slurm_status
+from ballast.errors import Cancelled, ConfigError
+from ballast.recovery import history
+from helpers import example_data, make_ctx, run_chain, run_spec_dag
+from slurm_cluster import SlurmCluster, available
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = available()
+    if why:
+        pytest.skip(why)
+    # munged wants every directory above its socket world-searchable: not pytest's 0700 tmp_path.
+    base = Path(tempfile.mkdtemp(prefix="ballast-slurm-"))
+    base.chmod(0o755)
+    c = SlurmCluster(base, memory_mb=12000).start()
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(c.conf)  # what a Slurm user's environment names
+    yield c
+    c.stop()
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+    assert c.leftovers() == [], "job processes outlived the cluster"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def slurm_section(**extra) -> dict:
+    return {"partition": "spot", "on_demand_partition": "ondemand", "python": sys.executable, "cpus_per_node": 2,
+            "memory": "4000M", "poll_seconds": 0.5, **extra}
+
+
+def on_slurm(d: dict, **extra) -> None:
+    d["execution"] = {"backend": "slurm", "slurm": slurm_section(**extra)}
+
+
+# --- the batch script and the job's states, as data --------------------------------------------------
+
+
+def spec_on_slurm(**extra):
+    from ballast.spec import parse_spec
+
+    d = example_data()
+    on_slurm(d, **extra)
+    return parse_spec(d)
+
+
+@pytest.mark.integration
+def test_the_batch_script_quotes_every_value_and_the_options_are_arguments(tmp_path):
+    spec = spec_on_slurm()
+    launch = Launch(name="ballast-digits-0a1b2c3d-t2", try_number=2, nodes=2,
+                    command=(sys.executable, "-m", "ballast.node", "--job", "/data/it's here; rm -rf ~/job.json"),
+                    env={"WEIRD": "a b $(id) `id` \"q\""}, capacity="on-demand", avoid_hosts=("n2",),
+                    micro_batch_size=16)
+    argv = slurm_script.sbatch_argv(spec, launch, tmp_path / "job.sh", log=tmp_path / "job.log")
+    assert "--partition=ondemand" in argv and "--exclude=n2" in argv and "--nodes=2" in argv
+    assert "--signal=TERM@60" in argv and "--no-requeue" in argv  # the notice: preempt_grace_seconds
+    script = slurm_script.batch_script(spec, launch)
+    # bash itself reads the script back: each value arrives as one word, unexpanded.
+    probe = script.replace("exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 --export=ALL ",
+                           "printf '%s\\n' ")
+    probe = probe.replace('"$(hostname):$((20000 + SLURM_JOB_ID % 10000))"', "x")
+    out = subprocess.run(["bash", "-c", probe + '\nprintf "%s\\n" "$WEIRD"'], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.splitlines()
+    assert words[:5] == list(launch.command) and words[-1] == "a b $(id) `id` \"q\""
+    with pytest.raises(ConfigError, match="not a host name Slurm can exclude"):
+        slurm_script.sbatch_argv(spec, Launch(name="x", try_number=1, nodes=1, command=("p",),
+                                              avoid_hosts=("n1,n2 --uid=0",)), tmp_path / "j.sh", log=tmp_path / "l")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fields,cls", [
+    ("JobId=7 JobState=OUT_OF_MEMORY Reason=OutOfMemory ExitCode=0:125 NodeList=n1 BatchHost=n1", "oom"),
+    ("JobId=7 JobState=PREEMPTED Reason=None ExitCode=0:15 NodeList=n[1-2] BatchHost=n1", "preempted"),
+    ("JobId=7 JobState=NODE_FAIL Reason=NodeDown ExitCode=0:0 NodeList=n3 BatchHost=n1", "hardware"),
+    ("JobId=7 JobState=TIMEOUT Reason=TimeLimit ExitCode=0:15 NodeList=n1 BatchHost=n1", "preempted"),
+    ("JobId=7 JobState=FAILED Reason=NonZeroExitCode ExitCode=74:0 NodeList=n1 BatchHost=n1", None),
+])
+def test_job_states_map_to_recovery_classes(fields, cls):
+    end = slurm_status.ending(slurm_status.parse_show_job(fields))
+    assert end.failure_class == cls and not end.ok
+    assert end.host == ("n3" if "NODE_FAIL" in fields else "n1")
+    assert slurm_status.ending(slurm_status.parse_show_job("JobId=7 JobState=RUNNING Reason=None")) is None
+
+
+# --- on the real cluster ------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_partition_that_does_not_exist_fails_the_first_try_naming_it(cluster, tmp_path):
+    import logging
+
+    from ballast.backends.slurm import SlurmBackend
+
+    spec = spec_on_slurm(partition="gpu-spot")
+    backend = SlurmBackend(spec, tmp_path, logging.getLogger("test"))
+    with pytest.raises(ConfigError, match=r"execution\.slurm\.partition: Slurm has no partition 'gpu-spot'"):
+        backend.start(Launch(name="ballast-x-t1", try_number=1, nodes=1, command=("true",)))
+
+
+@pytest.mark.integration
+def test_a_cancelled_train_task_scancels_its_job_and_leaves_nothing(cluster, tmp_path, digits_raw):
+    from ballast.stages import convert, train, validate, warm_cache
+    from ballast.supervise import stop_running
+
+    ctx = make_ctx(tmp_path, digits_raw, lambda d: (on_slurm(d), d["training"].update(epochs=200)))
+    run_chain(ctx, validate, convert, warm_cache)
+    ctx.task_id = "train"
+    outcome: dict = {}
+
+    def train_it():
+        try:
+            train.run(ctx)
+        except BaseException as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    t = threading.Thread(target=train_it)
+    t.start()
+    heartbeat = ctx.work_dir / "train" / "heartbeat"
+    deadline = time.monotonic() + 180
+    while not heartbeat.exists() and time.monotonic() < deadline and t.is_alive():
+        time.sleep(0.5)
+    assert heartbeat.exists(), f"training never started: {outcome}"
+    assert cluster.jobs(), "no Slurm job while training"
+    stop_running("the test cancelled the task")
+    t.join(timeout=90)
+    assert isinstance(outcome.get("error"), Cancelled), outcome
+    deadline = time.monotonic() + 30
+    while (cluster.jobs() or cluster.leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert cluster.jobs() == [] and cluster.leftovers() == []
+    tries = history.load(ctx, "train").attempts
+    assert [a.outcome for a in tries] == ["cancelled"]
+
+
+def _fast(d: dict, faults=(), **recovery) -> None:
+    d["training"].update(epochs=3, checkpoint={"every_steps": 10, "keep_last": 5}, rehearsal={"faults": list(faults)})
+    d["evaluation"].update(threshold=None, patience=10)
+    d["recovery"] = {"retry_delay_seconds": 0, **recovery}
+    d["schedule"] = {}
+
+
+@pytest.mark.e2e
+def test_the_same_spec_trains_to_the_same_accuracy_on_local_and_slurm(cluster, airflow_db, digits_raw, tmp_path):
+    runs = {}
+    for backend in ("local", "slurm"):
+        def edit(d, backend=backend):
+            d["dataset"]["location"] = str(digits_raw)
+            _fast(d)
+            if backend == "slurm":
+                on_slurm(d)
+        dr, ctx = run_spec_dag(tmp_path / backend, edit, name=f"same_{backend}")
+        assert str(dr.state) == "success", backend
+        runs[backend] = ctx.result("train")
+    local, slurm = runs["local"], runs["slurm"]
+    assert slurm.steps == local.steps and slurm.best.step == local.best.step
+    assert slurm.best.value == pytest.approx(local.best.value, abs=1e-9)  # the same world, seed and order
+
+
+@pytest.mark.e2e
+def test_a_failed_node_is_excluded_next_try_and_a_killed_rank_resumes_from_storage(cluster, airflow_db, digits_raw,
+                                                                                   tmp_path):
+    faults = [{"kind": "ecc", "step": 15, "rank": 1, "on_try": 1},     # hardware, on rank 1's node
+              {"kind": "crash", "step": 35, "rank": 1, "on_try": 2}]   # SIGKILL: torchrun restarts the group
+
+    def edit(d):
+        d["dataset"]["location"] = str(digits_raw)
+        _fast(d, faults, max_restarts=1)
+        d["training"].update(nodes=2, processes_per_node=1, global_batch_size=64)
+        on_slurm(d)
+
+    dr, ctx = run_spec_dag(tmp_path, edit, conf={"rehearsal": True}, name="slurm_recovery")
+    assert str(dr.state) == "success"
+    tries = history.load(ctx, "train").attempts
+    assert [(a.outcome, a.failure_class) for a in tries] == [("failed", "hardware"), ("success", None)]
+    bad = tries[0].host
+    assert re.fullmatch(r"n[1-3]", bad), bad  # the Slurm node the failing rank ran on
+    assert tries[1].settings["avoid_hosts"] == [bad]
+    logs = sorted((ctx.work_dir / "train" / "jobs").glob("*-t2.log"))
+    assert logs, "try 2 left no job log"
+    log = logs[0].read_text()
+    ran_on = set(re.findall(r"node \d of 2 on (n\d)", log))
+    assert len(ran_on) == 2 and bad not in ran_on, log[-3000:]  # sbatch --exclude kept it off that node
+    assert "resumed from" in log and tries[1].resumed_step is not None and tries[1].resumed_step >= 10
+    assert tries[1].group_restarts >= 1  # the crash in try 2 was recovered inside the try
+    assert cluster.jobs() == [] and cluster.leftovers() == []
