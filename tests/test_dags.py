@@ -144,6 +144,15 @@ def test_training_package_never_imports_airflow():
 
 
 @pytest.mark.integration
+def test_the_node_program_never_imports_airflow():
+    """What a training pod runs (docker/training.Dockerfile has no Airflow)."""
+    probe = ("import sys, ballast.node, ballast.stages.warm_cache, ballast.checkpoint_sync, ballast.launch_spec\n"
+             "print([m for m in sys.modules if m.split('.')[0] == 'airflow'])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.integration
 def test_airflow_does_not_exec_package_files_as_plugins():
     # Airflow execs every .py under plugins/ as a top-level module named after the file; without
     # plugins/.airflowignore, plugins/ballast/bench/train_runtime.py and friends would land in

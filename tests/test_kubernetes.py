@@ -26,22 +26,32 @@ POOLS = {
 }
 
 
-def k8s_spec(nodes: int = 1, **kube):
+def k8s_spec(nodes: int = 1, s3: bool = False, **kube):
+    """Several nodes share a file system (a ReadWriteMany claim holding storage); one node may use S3."""
     data = example_data()
     data["training"].update(nodes=nodes, global_batch_size=64 * nodes)
     section = {"image": "registry.example.com/ballast-training:1.0", "gpus_per_node": 2,
                "gpu_resource": "nvidia.com/gpu", "cpu": "16", "memory": "120Gi", "shm_size": "16Gi",
                "cache": {"size": "200Gi"}, "pools": POOLS, "service_account": "trainer",
                "storage_secret": "ballast-s3", "namespace": "ml", **kube}
+    if s3:
+        data["storage"] = {"uri": "s3://ballast-bucket/pipelines"}
+    else:
+        section.setdefault("storage_claim", "ballast-storage")
     data["execution"] = {"backend": "kubernetes", "kubernetes": section}
     data["recovery"] = {"preempt_grace_seconds": 90}
     return parse_spec(data)
 
 
+SHARED = "/mnt/ballast/storage"
+
+
 def launch(spec, try_number=1, after=()):
     settings, _ = adapt.next_settings(spec, earlier_tries(list(after)))
+    s3 = spec.storage.uri.startswith("s3://")
     return launch_for(spec, settings, dag_id=spec.dag_id, run_id="manual__2026-12-03", task_id="train",
-                      try_number=try_number, job_ref="s3://bucket/runs/x/train/try-1/job.json")
+                      try_number=try_number, job_ref="s3://ballast-bucket/pipelines/runs/x/train/try-1/job.json"
+                      if s3 else f"{SHARED}/runs/x/train/try-1/job.json", shared_path=None if s3 else SHARED)
 
 
 def docs(spec, lau):
@@ -84,7 +94,7 @@ def check_training_pod(spec, ps):
 
 @pytest.mark.unit
 def test_a_one_node_manifest_is_a_pod_that_validates_strictly_and_carries_the_spec():
-    spec = k8s_spec(nodes=1)
+    spec = k8s_spec(nodes=1, s3=True)
     (doc,) = docs(spec, launch(spec))
     validate(doc)
     assert doc["kind"] == "Pod" and doc["metadata"]["namespace"] == "ml"
@@ -98,6 +108,7 @@ def test_a_one_node_manifest_is_a_pod_that_validates_strictly_and_carries_the_sp
     assert ps["tolerations"] == [{"key": "cloud.example.com/spot", "operator": "Exists", "effect": "NoSchedule"}]
     assert ps["priorityClassName"] == "training-preemptible"
     assert not ps.get("affinity")  # no avoid list, one node
+    assert "storage" not in {v["name"] for v in ps["volumes"]}  # S3: nothing shared to mount
 
 
 @pytest.mark.unit
@@ -126,6 +137,9 @@ def test_a_four_node_manifest_is_an_indexed_job_with_a_headless_service():
     assert env["BALLAST_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     assert {"name": "c10d", "containerPort": 29400} in c["ports"]
+    volumes = {v["name"]: v for v in ps["volumes"]}
+    assert volumes["storage"]["persistentVolumeClaim"] == {"claimName": "ballast-storage"}
+    assert {"name": "storage", "mountPath": SHARED} in c["volumeMounts"]  # where the workers see storage
     anti = ps["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["topologyKey"] == "kubernetes.io/hostname"  # one pod per node
     assert job["metadata"]["labels"]["ballast.dev/try"] == js["template"]["metadata"]["labels"]["ballast.dev/try"]
@@ -164,7 +178,8 @@ def test_render_prints_the_manifests_as_yaml(tmp_path, capsys):
     from ballast.cli import main
 
     data = example_data()
-    data["execution"] = {"backend": "kubernetes", "kubernetes": {"image": "ballast-training:1", "pools": POOLS}}
+    data["execution"] = {"backend": "kubernetes", "kubernetes": {"image": "ballast-training:1", "pools": POOLS,
+                                                                 "storage_claim": "ballast-storage"}}
     path = write_spec(tmp_path / "k.yaml", data=data)
     assert main(["render", str(path), "--try", "3", "--after", "preempted", "preempted"]) == 0
     (pod,) = list(yaml.safe_load_all(capsys.readouterr().out))
@@ -182,6 +197,8 @@ BAD = [
     ("default pool missing", {"pools": {"on-demand": {}}}, r"execution\.kubernetes\.default_pool: 'spot' is not among"),
     ("bad quantity", {"memory": "lots"}, r"execution\.kubernetes\.memory: 'lots' is not a valid Kubernetes quantity"),
     ("bad namespace", {"namespace": "ML_Team"}, r"execution\.kubernetes\.namespace"),
+    ("a path pods cannot see", {"storage_claim": None},
+     r"execution\.kubernetes\.storage_claim: storage\.uri is a path \('storage'\) that training pods cannot see"),
     ("gpus and processes differ", {"gpus_per_node": 4},
      r"training\.processes_per_node: 2 processes per node but execution\.kubernetes\.gpus_per_node is 4"),
 ]
@@ -193,7 +210,8 @@ def test_bad_kubernetes_sections_are_refused_with_one_line_naming_the_field(what
     from ballast.errors import SpecError
 
     data = example_data()
-    base = {"image": "ballast-training:1", "gpus_per_node": 2, "gpu_resource": "nvidia.com/gpu"}
+    base = {"image": "ballast-training:1", "gpus_per_node": 2, "gpu_resource": "nvidia.com/gpu",
+            "storage_claim": "ballast-storage"}
     data["execution"] = {"backend": "kubernetes"}
     if section is not None:
         data["execution"]["kubernetes"] = {**base, **section}
@@ -208,9 +226,18 @@ def test_a_node_count_beyond_what_the_job_expresses_is_refused():
 
     data = example_data()
     data["training"].update(nodes=5000)
-    data["execution"] = {"backend": "kubernetes", "kubernetes": {"image": "ballast-training:1"}}
+    data["execution"] = {"backend": "kubernetes", "kubernetes": {"image": "ballast-training:1",
+                                                                 "storage_claim": "ballast-storage"}}
     with pytest.raises(SpecError, match=r"training\.nodes"):
         parse_spec(data)
+
+
+@pytest.mark.unit
+def test_several_nodes_on_s3_storage_are_refused_before_any_checkpoint_is_half_committed():
+    from ballast.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"storage\.uri: a 4-node try on kubernetes commits each checkpoint from every"):
+        k8s_spec(nodes=4, s3=True)
 
 
 # --- failure reasons, from pod statuses as clusters report them -------------------------------------
@@ -272,3 +299,100 @@ def test_of_a_jobs_pods_the_platform_reason_explains_the_failure():
     peer = pod_with("Failed", exit_code=72, term_reason="Error", node="gpu-2")  # its communication error followed
     end = k8s_status.first_failure([peer, preempted])
     assert end.failure_class == "preempted" and end.host == "gpu-1"
+
+
+# --- the backend's calls, against a recording stand-in for the API server ----------------------------
+
+
+class FakeAPI:
+    """Records create/list/read/delete calls; pods and the Job's conditions are set by the test."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.pods: list = []
+        self.job_conditions: list = []
+
+    def create_namespaced_pod(self, ns, body):
+        self.calls.append(("create", f"Pod/{body.metadata.name}"))
+
+    def create_namespaced_service(self, ns, body):
+        self.calls.append(("create", f"Service/{body.metadata.name}"))
+
+    def create_namespaced_job(self, ns, body):
+        self.calls.append(("create", f"Job/{body.metadata.name}"))
+        self.template_labels = body.spec.template.metadata.labels
+
+    def list_namespaced_pod(self, ns, label_selector):
+        wanted = dict(part.split("=") for part in label_selector.split(","))
+        return k8s.V1PodList(items=[p for p in self.pods if all(
+            (p.metadata.labels or {}).get(k) == v for k, v in wanted.items())] + self.strays)
+
+    strays: list = []
+
+    def read_namespaced_pod_log(self, name, ns, container):
+        return f"log of {name}\n"
+
+    def read_namespaced_job_status(self, name, ns):
+        return k8s.V1Job(status=k8s.V1JobStatus(conditions=self.job_conditions))
+
+    def delete_namespaced_job(self, name, ns, body):
+        self.calls.append(("delete", f"Job/{name}"))
+        assert body.propagation_policy == "Foreground"  # its pods go with it
+
+    def delete_namespaced_service(self, name, ns, body):
+        self.calls.append(("delete", f"Service/{name}"))
+
+    def delete_namespaced_pod(self, name, ns, body):
+        self.calls.append(("delete", f"Pod/{name}"))
+
+
+def job_pod(labels, index, phase, **status):
+    pod = pod_with(phase, **status)
+    pod.metadata = k8s.V1ObjectMeta(name=f"p{index}", labels=dict(labels),
+                                    annotations={k8s_manifests.COMPLETION_INDEX: str(index)})
+    return pod
+
+
+@pytest.mark.unit
+def test_the_backend_deletes_a_cancelled_job_and_its_service_and_ignores_another_trys_pods():
+    import logging
+
+    from ballast.backends.kubernetes import KubernetesBackend
+
+    spec = k8s_spec(nodes=2)
+    api = FakeAPI()
+    backend = KubernetesBackend(spec, logging.getLogger("test"), core=api, batch=api)
+    handle = backend.start(launch(spec, 2))
+    name = handle["name"]
+    assert api.calls == [("create", f"Service/{name}"), ("create", f"Job/{name}")]
+    other = dict(api.template_labels, **{k8s_manifests.TRY_LABEL: "1"})  # try 1's pod, still running
+    api.strays = [job_pod(other, 0, "Running")]
+    api.pods = [job_pod(api.template_labels, i, "Running") for i in range(2)]
+    assert [p.metadata.name for p in backend.pods(handle)] == ["p0", "p1"]  # never the other try's
+    lines: list[str] = []
+    polls = iter([False, True])
+    end = backend.wait(handle, on_line=lines.append, should_stop=lambda: next(polls))
+    assert end.cancelled and lines == ["[0] log of p0", "[1] log of p1"]
+    assert api.calls[2:] == [("delete", f"Job/{name}"), ("delete", f"Service/{name}")]
+
+
+@pytest.mark.unit
+def test_a_failed_job_reports_its_pods_reason_and_is_deleted_unless_kept():
+    import logging
+
+    from ballast.backends.kubernetes import KubernetesBackend
+
+    for keep in (False, True):
+        spec = k8s_spec(nodes=2, keep_failed_pods=keep)
+        api = FakeAPI()
+        api.strays = []
+        backend = KubernetesBackend(spec, logging.getLogger("test"), core=api, batch=api)
+        handle = backend.start(launch(spec, 1))
+        api.pods = [job_pod(api.template_labels, 0, "Failed", exit_code=137, term_reason="OOMKilled"),
+                    job_pod(api.template_labels, 1, "Failed", exit_code=72, term_reason="Error")]
+        api.job_conditions = [k8s.V1JobCondition(type="Failed", status="True", reason="BackoffLimitExceeded")]
+        end = backend.wait(handle, on_line=lambda line: None, should_stop=lambda: False)
+        assert end.failure_class == "oom" and "OOMKilled" in end.reason and "BackoffLimitExceeded" in end.reason
+        deleted = [c for c in api.calls if c[0] == "delete"]
+        assert deleted == ([] if keep else [("delete", f"Job/{handle['name']}"),
+                                            ("delete", f"Service/{handle['name']}")])

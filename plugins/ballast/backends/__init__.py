@@ -44,6 +44,8 @@ class Launch:
     micro_batch_size: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
     """Who it belongs to: dag_id, task_id, run_id (the try number is separate)."""
+    shared_path: str | None = None
+    """Where the run's storage is a file system: its absolute path, the same on every node."""
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,12 @@ def node_command(python: str, job_ref: str) -> tuple[str, ...]:
 
 
 def launch_for(spec: Spec, settings: TrySettings, *, dag_id: str, run_id: str, task_id: str, try_number: int,
-               job_ref: str, python: str = "python") -> Launch:
+               job_ref: str, python: str = "python", shared_path: str | None = None) -> Launch:
     """The `Launch` of one try on a cluster backend, with recovery's adaptations (`settings`)."""
     return Launch(name=job_name(dag_id, run_id, try_number), try_number=try_number, nodes=spec.training.nodes,
                   command=node_command(python, job_ref), capacity=settings.capacity,
                   avoid_hosts=tuple(settings.avoid_hosts), micro_batch_size=settings.micro_batch_size,
-                  labels={"dag_id": dag_id, "task_id": task_id, "run_id": run_id})
+                  labels={"dag_id": dag_id, "task_id": task_id, "run_id": run_id}, shared_path=shared_path)
 
 
 def job_key(run_key: str, try_number: int) -> str:

@@ -32,7 +32,7 @@ TRY_LABEL = "ballast.dev/try"
 RUN_LABEL = "ballast.dev/run"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
-UID = 1000  # the training image's user (docker/training.Dockerfile)
+UID = 50000  # the training image's user (docker/training.Dockerfile)
 CACHE_MOUNT, WORK_MOUNT = "/cache", "/work"
 
 
@@ -88,7 +88,7 @@ def _affinity(launch: Launch, name: str, *, nodes: int):
     return k8s.V1Affinity(node_affinity=node_affinity, pod_anti_affinity=pod_anti)
 
 
-def _volumes(k: KubernetesSpec):
+def _volumes(k: KubernetesSpec, launch: Launch):
     from kubernetes.client import models as k8s
 
     cache = (k8s.V1Volume(name="cache", host_path=k8s.V1HostPathVolumeSource(path=k.cache.host_path,
@@ -105,6 +105,12 @@ def _volumes(k: KubernetesSpec):
               k8s.V1VolumeMount(name="cache", mount_path=CACHE_MOUNT),
               k8s.V1VolumeMount(name="work", mount_path=WORK_MOUNT),
               k8s.V1VolumeMount(name="tmp", mount_path="/tmp")]
+    if k.storage_claim:
+        if not launch.shared_path:
+            raise ConfigError("execution.kubernetes.storage_claim: the try has no storage path to mount it at")
+        volumes.append(k8s.V1Volume(name="storage", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+            claim_name=k.storage_claim)))
+        mounts.append(k8s.V1VolumeMount(name="storage", mount_path=launch.shared_path))
     return volumes, mounts
 
 
@@ -143,7 +149,7 @@ def pod(spec: Spec, launch: Launch, *, nodes: int = 1):
     gpu = {k.gpu_resource: str(k.gpus_per_node)} if k.gpus_per_node and k.gpu_resource else {}
     resources = k8s.V1ResourceRequirements(requests={"cpu": k.cpu, "memory": k.memory, **gpu},
                                            limits={"cpu": k.cpu, "memory": k.memory, **gpu})
-    volumes, mounts = _volumes(k)
+    volumes, mounts = _volumes(k, launch)
     tolerations = [k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
                    for t in pool.tolerations] or None
     grace = math.ceil(spec.recovery.preempt_grace_seconds)

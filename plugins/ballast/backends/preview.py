@@ -53,8 +53,9 @@ def render(spec: Spec, *, try_number: int = 1, after: list[str] = (), run_id: st
         return "\n".join(head + [shlex.join(argv)]) + "\n"
     ref = job_ref(ctx, try_number)
     python = spec.execution.slurm.python if backend == "slurm" and spec.execution.slurm else "python"
+    root = getattr(ctx.storage, "root", None)
     launch = launch_for(spec, settings, dag_id=spec.dag_id, run_id=run_id, task_id="train", try_number=try_number,
-                        job_ref=ref, python=python)
+                        job_ref=ref, python=python, shared_path=str(root) if root is not None else None)
     if backend == "kubernetes":
         from ballast.backends import k8s_manifests
 

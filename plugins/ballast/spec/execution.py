@@ -102,6 +102,8 @@ class CacheVolumeSpec(Section):
 class KubernetesSpec(Section):
     image: str = Field(min_length=1)
     """Training image (built from docker/training.Dockerfile)."""
+    conn_id: str = "kubernetes_default"
+    """Airflow connection of the cluster (kubernetes type: in-cluster, a kube config, a context)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     namespace: str = "default"
     """Namespace of the training pods."""
@@ -127,6 +129,9 @@ class KubernetesSpec(Section):
     """Priority class of the training pods."""
     storage_secret: str | None = None
     """A Secret whose keys become the pods' environment (AWS_ACCESS_KEY_ID, ...): the storage credentials."""
+    storage_claim: str | None = None
+    """With storage.uri a path: a ReadWriteMany PersistentVolumeClaim holding it, mounted in every pod at
+    the path the workers see it at (a shared file system, as a Slurm cluster's)."""
     keep_failed_pods: bool = False
     """Keep a failed try's pods and Job for inspection (deleted otherwise, like a finished one's)."""
 
@@ -135,7 +140,7 @@ class KubernetesSpec(Section):
     def _names(cls, v: str | None) -> str | None:
         return v if v is None else _match(DNS_LABEL if len(v) <= 63 else DNS_SUBDOMAIN, v, "Kubernetes name")
 
-    @field_validator("storage_secret")
+    @field_validator("storage_secret", "storage_claim")
     @classmethod
     def _secret(cls, v: str | None) -> str | None:
         return v if v is None else _match(DNS_SUBDOMAIN, v, "Secret name")

@@ -74,6 +74,15 @@ class Spec(Section):
             raise ValueError(f"training.processes_per_node: {self.training.processes_per_node} processes per node"
                              f" but execution.{self.execution.backend}.gpus_per_node is {gpus}; one process per GPU:"
                              f" set processes_per_node: {gpus}")
+        backend, s3 = self.execution.backend, self.storage.uri.startswith("s3://")
+        if backend == "kubernetes" and not s3 and self.execution.kubernetes.storage_claim is None:
+            raise ValueError(f"execution.kubernetes.storage_claim: storage.uri is a path ({self.storage.uri!r}) that"
+                             f" training pods cannot see; name a ReadWriteMany PersistentVolumeClaim holding it, or"
+                             f" use s3:// storage")
+        if backend != "local" and s3 and self.training.nodes > 1:
+            raise ValueError(f"storage.uri: a {self.training.nodes}-node try on {backend} commits each checkpoint from"
+                             f" every node, which needs storage every node sees as a file system (a path; on"
+                             f" Kubernetes with execution.kubernetes.storage_claim); s3:// storage takes one node")
         leaves: dict[str, str] = {}
         for path in self.overridable:
             resolve_field(path, Spec)  # raises ValueError naming the path

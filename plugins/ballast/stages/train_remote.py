@@ -29,10 +29,15 @@ def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: 
 
     spec = ctx.spec
     shared = ctx.storage.local_path(ctx.run_key) is not None
+    root = getattr(ctx.storage, "root", None) if shared else None  # a LocalStorage: its directory
     launch = launch_for(spec, settings, dag_id=ctx.dag_id, run_id=ctx.run_id, task_id=ctx.task_id or "train",
                         try_number=ctx.try_number, job_ref=job_ref(ctx, ctx.try_number),
-                        python=spec.execution.slurm.python if spec.execution.slurm else "python")
-    job = NodeJob(spec=spec.model_dump(mode="json"), spec_file=ctx.spec_file, dag_id=ctx.dag_id, run_id=ctx.run_id,
+                        python=spec.execution.slurm.python if spec.execution.slurm else "python",
+                        shared_path=str(root) if root is not None else None)
+    data = spec.model_dump(mode="json")
+    if root is not None:  # the path as the workers resolve it: the nodes see the same file system there
+        data["storage"] = {**data["storage"], "uri": str(root)}
+    job = NodeJob(spec=data, spec_file=ctx.spec_file, dag_id=ctx.dag_id, run_id=ctx.run_id,
                   task_id=ctx.task_id or "train", try_number=ctx.try_number, name=launch.name,
                   run_config=cfg.model_dump(mode="json"), out_dir=str(out_dir), checkpoint_dir=str(ckpt_dir))
     ctx.storage.write_bytes(job_key(ctx.run_key, ctx.try_number), job.model_dump_json(indent=1).encode())
