@@ -204,3 +204,52 @@ def test_a_failed_node_is_excluded_next_try_and_a_killed_rank_resumes_from_stora
     assert "resumed from" in log and tries[1].resumed_step is not None and tries[1].resumed_step >= 10
     assert tries[1].group_restarts >= 1  # the crash in try 2 was recovered inside the try
     assert cluster.jobs() == [] and cluster.leftovers() == []
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A real S3 server over HTTP on loopback (moto), reachable from the Slurm job's processes through
+    the environment sbatch exports."""
+    import boto3
+    from helpers import free_port
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="ballast-slurm")
+    yield "ballast-slurm"
+    server.stop()
+
+
+@pytest.mark.e2e
+def test_with_s3_storage_a_node_pulls_and_pushes_checkpoints_and_its_record_comes_back(cluster, airflow_db, digits_raw,
+                                                                                      tmp_path, s3_bucket):
+    faults = [{"kind": "oom", "step": 25, "rank": 0, "on_try": 1}]
+
+    def edit(d):
+        d["dataset"]["location"] = str(digits_raw)
+        d["storage"] = {"uri": f"s3://{s3_bucket}/pipelines"}
+        _fast(d, faults)
+        on_slurm(d)
+
+    dr, ctx = run_spec_dag(tmp_path, edit, conf={"rehearsal": True}, name="slurm_s3")
+    assert str(dr.state) == "success"
+    tries = history.load(ctx, "train").attempts
+    # try 1's failure record reached the task through storage: its class, its step, the Slurm node
+    assert [(a.outcome, a.failure_class) for a in tries] == [("failed", "oom"), ("success", None)]
+    assert re.fullmatch(r"n[1-3]", tries[0].host) and tries[0].step_reached >= 20
+    assert tries[1].settings["micro_batch_size"] == 16  # the adaptation reached the node
+    keys = set(ctx.storage.list(f"{ctx.run_key}/checkpoints/"))
+    committed = sorted(k.split("/")[-2] for k in keys if k.endswith("/COMMITTED"))
+    assert committed, "no checkpoint reached storage"
+    log = next((ctx.work_dir / "train" / "jobs").glob("*-t2.log")).read_text()
+    assert re.search(r"checkpoints from storage: step-\d+", log), log[-3000:]  # pulled before training
+    assert "resumed from" in log
+    trained = ctx.result("train")
+    assert trained.uploaded_checkpoints and Path(trained.last_checkpoint).name in committed
+    assert cluster.jobs() == [] and cluster.leftovers() == []

@@ -124,7 +124,8 @@ def run(job: NodeJob, rank: int) -> int:
     if shared:
         out_dir, ckpt_dir = Path(job.out_dir), Path(job.checkpoint_dir)
     else:
-        work = Path(os.environ.get("BALLAST_WORK_DIR") or ctx.work_dir) / f"node{rank}"
+        # A directory of this try's own, as a pod's fresh volume is: what it resumes from is what storage holds.
+        work = Path(os.environ.get("BALLAST_WORK_DIR") or ctx.work_dir) / f"try-{job.try_number}-node{rank}"
         out_dir, ckpt_dir = work / "train", work / "checkpoints"
         out_dir.mkdir(parents=True, exist_ok=True)
         pulled = checkpoint_sync.pull(ctx, ckpt_dir)
@@ -156,28 +157,33 @@ def run(job: NodeJob, rank: int) -> int:
     return rc
 
 
+def outputs_prefix(run_key: str, try_number: int) -> str:
+    """Where a try's nodes leave the trainer's failure record(s), summary and events (one try's own)."""
+    return f"{run_key}/train/try-{try_number}/out/"
+
+
 def push_outputs(ctx, out_dir: Path) -> None:
     """The trainer's failure record(s), summary and events, where the train task reads them."""
     for path in sorted(out_dir.iterdir()):
         if path.is_file() and path.suffix in (".json", ".jsonl"):
-            ctx.storage.upload(path, f"{ctx.run_key}/train/{path.name}")
+            ctx.storage.upload(path, outputs_prefix(ctx.run_key, ctx.try_number) + path.name)
 
 
 class _Syncer(threading.Thread):
     def __init__(self, ctx, ckpt_dir: Path):
         super().__init__(name="checkpoint-sync", daemon=True)
-        self.ctx, self.ckpt_dir, self._stop = ctx, ckpt_dir, threading.Event()
+        self.ctx, self.ckpt_dir, self._done = ctx, ckpt_dir, threading.Event()
         self.start()
 
     def run(self) -> None:
-        while not self._stop.wait(SYNC_SECONDS):
+        while not self._done.wait(SYNC_SECONDS):
             try:
                 checkpoint_sync.push(self.ctx, self.ckpt_dir)
             except Exception as exc:  # noqa: BLE001  (the next round, or the final push, tries again)
                 log.warning("checkpoint upload failed (will retry): %s", exc)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from ballast.backends import Ending, job_key, job_ref, launch_for, remote
 from ballast.context import RunContext
 from ballast.errors import Cancelled, training_error
-from ballast.node import NodeJob
+from ballast.node import NodeJob, outputs_prefix
 from ballast.records import TrainResult
 from ballast.recovery.adapt import TrySettings
 
@@ -75,7 +75,7 @@ def platform_failure(spec, end: Ending, name: str) -> BaseException:
 
 def _fetch_outputs(ctx: RunContext, out_dir: Path) -> None:
     """The node's failure record(s) and summary, from storage into the task's `out_dir`."""
-    prefix = f"{ctx.run_key}/train/"
+    prefix = outputs_prefix(ctx.run_key, ctx.try_number)
     for key in ctx.storage.list(prefix):
         name = key[len(prefix):]
         if "/" not in name and name.endswith((".json", ".jsonl")):
