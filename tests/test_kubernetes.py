@@ -10,7 +10,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 import yaml
-from ballast.backends import Launch, k8s_manifests, k8s_status, launch_for
+from ballast.backends import k8s_manifests, k8s_status, launch_for
 from ballast.backends.preview import earlier_tries
 from ballast.recovery import adapt
 from ballast.spec import parse_spec
@@ -101,7 +101,7 @@ def test_a_one_node_manifest_is_a_pod_that_validates_strictly_and_carries_the_sp
     labels = doc["metadata"]["labels"]
     assert labels["ballast.dev/try"] == "1" and labels["try_number"] == "1"  # the provider's labels, and ours
     assert labels["dag_id"] == spec.dag_id and labels["task_id"] == "train"
-    c, env = check_training_pod(spec, doc["spec"])
+    _, env = check_training_pod(spec, doc["spec"])
     assert env["BALLAST_NODE_RANK"]["value"] == "0" and "BALLAST_RDZV_ENDPOINT" not in env
     ps = doc["spec"]
     assert ps["nodeSelector"] == {"cloud.example.com/capacity": "spot"}  # the default pool
@@ -310,6 +310,7 @@ class FakeAPI:
     def __init__(self):
         self.calls: list[tuple[str, str]] = []
         self.pods: list = []
+        self.strays: list = []  # pods the selector would not match: another try's
         self.job_conditions: list = []
 
     def create_namespaced_pod(self, ns, body):
@@ -326,8 +327,6 @@ class FakeAPI:
         wanted = dict(part.split("=") for part in label_selector.split(","))
         return k8s.V1PodList(items=[p for p in self.pods if all(
             (p.metadata.labels or {}).get(k) == v for k, v in wanted.items())] + self.strays)
-
-    strays: list = []
 
     def read_namespaced_pod_log(self, name, ns, container):
         return f"log of {name}\n"
@@ -385,7 +384,6 @@ def test_a_failed_job_reports_its_pods_reason_and_is_deleted_unless_kept():
     for keep in (False, True):
         spec = k8s_spec(nodes=2, keep_failed_pods=keep)
         api = FakeAPI()
-        api.strays = []
         backend = KubernetesBackend(spec, logging.getLogger("test"), core=api, batch=api)
         handle = backend.start(launch(spec, 1))
         api.pods = [job_pod(api.template_labels, 0, "Failed", exit_code=137, term_reason="OOMKilled"),

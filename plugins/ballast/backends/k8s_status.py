@@ -84,4 +84,4 @@ def first_failure(pods: list[Any]) -> Ending | None:
         at = _get(_terminated(item[0]), "finished_at")
         return (at is None, at)
 
-    return sorted(endings, key=finished)[0][1]
+    return min(endings, key=finished)[1]

@@ -79,7 +79,6 @@ def batch_script(spec: Spec, launch: Launch) -> str:
         # The batch script runs on the job's first node: its host is node 0's rendezvous endpoint.
         f'export {RDZV_ENV}="$(hostname):$((20000 + SLURM_JOB_ID % 10000))"',
         # srun gives each task SLURM_NODEID: `ballast.node` takes it as its node rank.
-        "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 --export=ALL "
-        + " ".join(shlex.quote(a) for a in launch.command),
+        "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 --export=ALL " + shlex.join(launch.command),
     ]
     return "\n".join(lines) + "\n"
