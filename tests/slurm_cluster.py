@@ -3,7 +3,8 @@
 every file of theirs under one temporary directory, on free ports. `make slurm` installs the packages.
 
 Nodes n1-n3 claim the machine's cores each (Slurm schedules, it does not pin: proctrack/linuxproc,
-task/none); partitions `spot` (preemptible tier) and `ondemand`. `stop()` cancels every job, ends the
+task/none); partitions `spot` (preemptible: a job of `ondemand`, the higher tier, preempts its jobs
+with SIGTERM, 30 s of grace, then SIGKILL) and `ondemand`. `stop()` cancels every job, ends the
 daemons and SIGKILLs any job process left with this cluster's SLURM_CONF: nothing outlives a test.
 """
 
@@ -62,7 +63,9 @@ class SlurmCluster:
             f"SlurmctldLogFile={b / 'log/slurmctld.log'}", f"SlurmdLogFile={b / 'log/slurmd-%n.log'}",
             "MailProg=/bin/true", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core_Memory", "SchedulerType=sched/backfill",
-            "SchedulerParameters=sched_interval=2", "ReturnToService=2", "MpiDefault=none", "SwitchType=switch/none",
+            "SchedulerParameters=sched_interval=2,batch_sched_delay=0", "ReturnToService=2",
+            # A job of the ondemand partition (higher tier) preempts spot jobs: SIGTERM, GraceTime, SIGKILL.
+            "PreemptType=preempt/partition_prio", "PreemptMode=CANCEL", "MpiDefault=none", "SwitchType=switch/none",
             "JobAcctGatherType=jobacct_gather/linux", "JobAcctGatherFrequency=task=1",
             "JobAcctGatherParams=OverMemoryKill", "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none", "MinJobAge=600", "KillWait=5", "UnkillableStepTimeout=30",
@@ -72,8 +75,8 @@ class SlurmCluster:
             lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} Sockets=1"
                          f" CoresPerSocket={cores} ThreadsPerCore=1 RealMemory={self.memory_mb} State=UNKNOWN")
         nodes = ",".join(NODES)
-        lines += [f"PartitionName=spot Nodes={nodes} Default=YES MaxTime=INFINITE PriorityTier=1 State=UP",
-                  f"PartitionName=ondemand Nodes={nodes} MaxTime=INFINITE PriorityTier=2 State=UP"]
+        lines += [f"PartitionName=spot Nodes={nodes} Default=YES MaxTime=INFINITE PriorityTier=1 GraceTime=30 State=UP",
+                  f"PartitionName=ondemand Nodes={nodes} MaxTime=INFINITE PriorityTier=2 PreemptMode=OFF State=UP"]
         self.conf.write_text("\n".join(lines) + "\n")
 
     def start(self, timeout: float = 60.0) -> SlurmCluster:

@@ -253,3 +253,54 @@ def test_with_s3_storage_a_node_pulls_and_pushes_checkpoints_and_its_record_come
     trained = ctx.result("train")
     assert trained.uploaded_checkpoints and Path(trained.last_checkpoint).name in committed
     assert cluster.jobs() == [] and cluster.leftovers() == []
+
+
+@pytest.mark.e2e
+def test_a_preempted_job_checkpoints_and_the_next_try_asks_for_the_on_demand_partition(cluster, airflow_db,
+                                                                                       digits_raw, tmp_path):
+    """A job of the higher-tier partition takes every node from the training job: Slurm preempts it
+    (SIGTERM, grace, then the end), the try is recorded preempted, and the next try's sbatch asks for
+    the on-demand partition (recovery.on_demand_after_preemptions: 1)."""
+    import subprocess as sp
+
+    def edit(d):
+        d["dataset"]["location"] = str(digits_raw)
+        _fast(d, on_demand_after_preemptions=1)
+        d["training"].update(epochs=400)  # longer than the test: each try ends at max_seconds or preempted
+        d["evaluation"].update(patience=1000)
+        d["training"]["rehearsal"] = {"max_seconds": 20}
+        on_slurm(d)
+
+    done = threading.Event()
+
+    def preempt():
+        # Once the training job of try 1 is running and has trained for a moment, take all nodes.
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not done.is_set():
+            if any(j.endswith("RUNNING") for j in cluster.jobs()):
+                time.sleep(8)  # warm-up and the first steps
+                sp.run(["sbatch", "-p", "ondemand", "-N3", "--exclusive", "-J", "preemptor", "--wrap", "sleep 5"],
+                       capture_output=True, text=True, env=cluster.env)
+                return
+            time.sleep(0.5)
+
+    t = threading.Thread(target=preempt, daemon=True)
+    t.start()
+    try:
+        dr, ctx = run_spec_dag(tmp_path, edit, name="slurm_preempt")
+    finally:
+        done.set()
+        t.join(timeout=10)
+    tries = history.load(ctx, "train").attempts
+    assert tries[0].outcome == "failed" and tries[0].failure_class == "preempted", tries[0]
+    assert tries[1].settings["capacity"] == "on-demand"
+    jobs = sp.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True, env=cluster.env).stdout
+    fields = [slurm_status.parse_show_job(line) for line in jobs.splitlines()]
+    mine = {f["JobName"].rsplit("-", 1)[-1]: f for f in fields if f.get("JobName", "").startswith("ballast-slurm-preempt")}
+    t1 = mine["t1"]
+    # Slurm sends SIGTERM to the job; the trainer commits its checkpoint inside the grace time and the
+    # job ends before Slurm has to end it (FAILED, 143: the batch shell's SIGTERM); had it not, PREEMPTED.
+    assert t1["Partition"] == "spot" and (t1["JobState"] == "PREEMPTED" or t1["ExitCode"] in ("75:0", "143:0")), t1
+    assert mine["t2"]["Partition"] == "ondemand"
+    assert str(dr.state) == "success"
+    assert tries[1].resumed_step is not None  # try 1 committed a checkpoint before it was ended
