@@ -274,11 +274,12 @@ def test_a_preempted_job_checkpoints_and_the_next_try_asks_for_the_on_demand_par
     done = threading.Event()
 
     def preempt():
-        # Once the training job of try 1 is running and has trained for a moment, take all nodes.
+        # Once try 1's job is running and its trainers beat (they step), take all nodes.
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not done.is_set():
-            if any(j.endswith("RUNNING") for j in cluster.jobs()):
-                time.sleep(8)  # warm-up and the first steps
+            runs = Path(os.environ["BALLAST_HOME"]) / "storage" / "runs" / "ballast_slurm_preempt"
+            if any(j.endswith("RUNNING") for j in cluster.jobs()) and list(runs.glob("*/train/heartbeat")):
+                time.sleep(2)  # training is stepping: a few more steps
                 sp.run(["sbatch", "-p", "ondemand", "-N3", "--exclusive", "-J", "preemptor", "--wrap", "sleep 5"],
                        capture_output=True, text=True, env=cluster.env)
                 return
