@@ -139,10 +139,14 @@ def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_traine
         cancel = json.loads((out / CANCELLED).read_text())
         assert cancel["try_number"] == 2, cancel
         assert not (out / "failure.json").exists() or json.loads((out / "failure.json").read_text())["time"] < cancel["time"]
-        done = stack.wait_for_run("ballast_digits", run["dag_run_id"], timeout=60)
-        assert done["state"] == "failed"
+        stack.wait_for_run("ballast_digits", run["dag_run_id"], timeout=60)
+        # The run's own state is Airflow's: on SQLite (no row locks) a scheduler loop that loaded the run
+        # before the PATCH committed re-evaluates it after, finds every leaf "skipped" and marks it
+        # success. What Ballast owns: train failed on its second try and nothing after it ran.
         tis = stack.task_instances("ballast_digits", run["dag_run_id"])
-        assert tis["train"]["try_number"] == 2, tis["train"]
+        assert (tis["train"]["state"], tis["train"]["try_number"]) == ("failed", 2), tis["train"]
+        after = {k: ti["state"] for k, ti in tis.items() if k not in ("validate", "convert", "warm_cache", "train")}
+        assert after and set(after.values()) <= {"skipped", None}, after
     tries = history.load(ctx, "train").attempts
     # Ended by their parent-death signal, the ranks wrote no record: not a "communication" failure of a
     # broken log pipe, which is what the next try read before.
