@@ -190,6 +190,7 @@ def test_a_group_restart_is_only_for_a_rank_killed_outright_not_for_an_oom(tmp_p
 def test_two_agents_rendezvous_on_loopback_train_and_resume(tmp_path, digits_cache):
     def two_nodes(d):
         d["training"].update(nodes=2, processes_per_node=1, global_batch_size=64)
+        d["execution"] = {"backend": "slurm", "slurm": {"partition": "debug"}}  # what a 2-node run would use
 
     port = free_port()
 

@@ -351,3 +351,46 @@ def test_f_a_process_whose_parent_died_before_it_asked_ends_at_once(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "training.parentdeath", "--parent", str(gone.pid), "--", "sleep",
                            "30"], timeout=30)
     assert proc.returncode == -signal.SIGTERM and time.monotonic() - t0 < 10
+
+
+@pytest.mark.integration
+def test_the_local_backend_behind_the_cluster_backends_interface(tmp_path):
+    """`local` is one backend among three: start, wait with the log relayed, stop, an Ending that names
+    the signal and the host; a stop from another thread (as on_kill) records the cancel and ends it all."""
+    import logging
+    import socket
+    import sys
+    import threading
+
+    from ballast.backends import Launch
+    from ballast.backends.local import LocalBackend
+    from ballast.supervise import group_members, read_cancel, read_lease
+
+    backend = LocalBackend(tmp_path, logging.getLogger("test"), hang_timeout=600)
+    code = "import os, signal; print('step', os.environ['X']); os.kill(os.getpid(), signal.SIGKILL)"
+    handle = backend.start(Launch(name="t", try_number=3, nodes=1, command=(sys.executable, "-c", code),
+                                  env={"X": "7"}))
+    assert read_lease(tmp_path)["try_number"] == 3
+    lines: list[str] = []
+    end = backend.wait(handle, on_line=lines.append)
+    assert lines == ["step 7"]
+    assert (end.exit_code, end.reason, end.host, end.ok, end.cancelled) == (-9, "killed by SIGKILL",
+                                                                            socket.gethostname(), False, False)
+    assert read_lease(tmp_path) is None
+
+    sleeper = (sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c',"
+               " 'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)")
+    handle = backend.start(Launch(name="t", try_number=4, nodes=1, command=sleeper))
+    started = threading.Event()
+    threading.Thread(target=lambda: started.wait(30) and backend.stop(handle, reason="on_kill"), daemon=True).start()
+    end = backend.wait(handle, on_line=lambda line: started.set())
+    assert end.cancelled and not end.ok and end.reason == "cancelled (by Ballast)"
+    assert read_cancel(tmp_path)["try_number"] == 4
+    assert not group_members(handle.pgid, handle.token)
+
+    handle = backend.start(Launch(name="t", try_number=5, nodes=1, command=sleeper))
+    end = backend.wait(handle, on_line=lambda line: None, should_stop=lambda: "the warm-up failed")
+    assert end.exit_code == -15 and not end.cancelled and not group_members(handle.pgid, handle.token)
+
+    with pytest.raises(ValueError, match="one node"):
+        backend.start(Launch(name="t", try_number=6, nodes=2, command=sleeper))

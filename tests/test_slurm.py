@@ -305,3 +305,48 @@ def test_a_preempted_job_checkpoints_and_the_next_try_asks_for_the_on_demand_par
     assert mine["t2"]["Partition"] == "ondemand"
     assert str(dr.state) == "success"
     assert tries[1].resumed_step is not None  # try 1 committed a checkpoint before it was ended
+
+
+@pytest.mark.e2e
+def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(cluster, airflow_db, digits_raw,
+                                                                               tmp_path):
+    """A one-minute job whose training stalls (a hang fault in try 1, the watchdog set past the limit):
+    Slurm's `--signal=TERM@10` reaches the trainers before the time limit (up to 60 s early, Slurm says:
+    its timer's resolution), their grace runs out with no step to checkpoint at, and they leave a
+    `preempted` record; the job ends by itself or at its limit (TIMEOUT). Either way the try is
+    preempted and the next one resumes from the last committed checkpoint and finishes."""
+    import subprocess as sp
+
+    faults = [{"kind": "hang", "step": 25, "on_try": 1}]
+
+    def edit(d):
+        d["dataset"]["location"] = str(digits_raw)
+        _fast(d, faults, preempt_grace_seconds=10)
+        on_slurm(d, time_limit_minutes=1)
+        d["execution"]["hang_timeout_seconds"] = 600  # neither watchdog: the time limit ends try 1
+
+    started = time.monotonic()
+    dr, ctx = run_spec_dag(tmp_path, edit, conf={"rehearsal": True}, name="slurm_timelimit")
+    assert str(dr.state) == "success"
+    tries = history.load(ctx, "train").attempts
+    assert [(a.outcome, a.failure_class) for a in tries] == [("failed", "preempted"), ("success", None)], tries
+    assert tries[1].resumed_step is not None and tries[1].resumed_step >= 10, tries[1]
+    jobs = sp.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True, env=cluster.env).stdout
+    fields = [slurm_status.parse_show_job(line) for line in jobs.splitlines()]
+    t1 = next(f for f in fields if f.get("JobName", "").startswith("ballast-slurm-timelimit") and
+              f["JobName"].endswith("-t1"))
+    assert t1["TimeLimit"] == "00:01:00", t1
+    # Ended inside the limit by the trainers' preempted exit (75; 143 where srun reports the notice's
+    # SIGTERM), or by Slurm at it; never run past it.
+    assert t1["JobState"] == "TIMEOUT" or t1["ExitCode"] in ("75:0", "143:0"), t1
+    assert _seconds(t1["RunTime"]) <= 60 + 5 + 5, t1  # the limit, KillWait and slurmctld's tick
+    # The notice came first: at the limit itself Slurm's SIGTERM is followed by SIGKILL after KillWait
+    # (5 s), before a 10 s grace could run out and write this record.
+    assert "grace period of 10s expired" in tries[0].reason, tries[0]
+    assert time.monotonic() - started < 400
+    assert cluster.jobs() == [] and cluster.leftovers() == []
+
+
+def _seconds(hms: str) -> int:
+    parts = [int(p) for p in hms.replace("-", ":").split(":")]
+    return sum(p * 60 ** i for i, p in enumerate(reversed(parts[-3:]))) + (parts[0] * 86400 if len(parts) == 4 else 0)

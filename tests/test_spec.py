@@ -66,6 +66,8 @@ BAD = [
      r"validation\.rules\[5\]: rule 'between' needs min, max or both"),
     ("kubernetes_without_section", lambda d: d["execution"].update(backend="kubernetes"),
      r"execution\.kubernetes: backend 'kubernetes' needs a kubernetes section"),
+    ("several_nodes_on_local", lambda d: d["training"].update(nodes=2, global_batch_size=128),
+     r"training\.nodes: 2 nodes, but execution\.backend local trains on the Airflow worker alone"),
     ("slurm_without_section", lambda d: d["execution"].update(backend="slurm"),
      r"execution\.slurm: backend 'slurm' needs a slurm section with at least partition"),
     ("slurm_shell_in_partition", lambda d: d["execution"].update(backend="slurm", slurm={"partition": "gpu$(reboot)"}),

@@ -205,7 +205,8 @@ def test_launch_specs_are_pure_functions():
     argv = torchrun_argv(spec, "/run/cfg.json", python="/py")
     assert argv == ["/py", "-m", "training.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
                     "--monitor-interval=0.1", "--standalone", "--module", "training", "--config", "/run/cfg.json"]
-    multi = parse_spec({**example_data(), "training": {**example_data()["training"], "nodes": 2, "global_batch_size": 128}})
+    multi = parse_spec({**example_data(), "training": {**example_data()["training"], "nodes": 2, "global_batch_size": 128},
+                        "execution": {"backend": "slurm", "slurm": {"partition": "debug"}}})
     argv = torchrun_argv(multi, "c.json", python="/py", rdzv_endpoint="head:29400", run_id="r1")
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=head:29400" in argv and "--standalone" not in argv
     cfg = run_config(spec, data_dir="d", data_format="petastorm", checkpoint_dir="c", output_dir="o",

@@ -61,6 +61,8 @@ class _Group:
     token: str
     try_number: int
     cancelled: bool = False
+    restore: Any = None
+    """Puts back the SIGTERM handler `start` installed (called when `wait` ends)."""
     lock: threading.RLock = field(default_factory=threading.RLock)  # re-entrant: on_kill runs in a signal handler
 
     @property
@@ -99,27 +101,53 @@ def supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: 
               abort=None, try_number: int = 1, tail: deque | None = None) -> tuple[int, bool]:
     """Run torchrun in its own process group, relaying its output (its last lines also into `tail`,
     for classifying a failure); end it if the heartbeat stalls, or when `abort()` returns something
-    (the background cache warm-up failed). (rc, hung)."""
+    (the background cache warm-up failed). (rc, hung). `start` then `wait`, in one call."""
+    group = start(argv, out_dir, ctx.log, try_number=try_number)
+
+    def on_line(line: str) -> None:
+        ctx.log.info("%s", line)
+        if tail is not None:
+            tail.append(line)
+
+    return wait(group, ctx.log, hang_timeout=hang_timeout, on_line=on_line,
+                should_stop=(lambda: _warm_up_failed(abort())) if abort is not None else None)
+
+
+def _warm_up_failed(error: BaseException | None) -> str | None:
+    return None if error is None else f"the cache warm-up failed ({error})"
+
+
+def start(argv: list[str], out_dir: Path, log: Any, *, try_number: int = 1,
+          env: dict[str, str] | None = None) -> _Group:
+    """Start torchrun in its own process group and session, under a new lease in `out_dir` (ending
+    what an earlier try left there first, if the caller has not). Its output waits in the pipe for `wait`."""
     out_dir = Path(out_dir)
     lease = read_lease(out_dir)
     if lease is not None and lease.get("host") == socket.gethostname():
-        end_leftovers(out_dir, ctx.log)  # the caller should have; a second group must never train beside it
+        end_leftovers(out_dir, log)  # the caller should have; a second group must never train beside it
     (out_dir / CANCELLED).unlink(missing_ok=True)  # an earlier try's cancel; this marker is this try's
     token = uuid.uuid4().hex
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{PARENT_ENV: str(os.getpid()), LEASE_ENV: token})
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}),
+                    **{PARENT_ENV: str(os.getpid()), LEASE_ENV: token})
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=full_env)
     group = _Group(proc, out_dir, token, try_number)
     _RUNNING.add(group)
     _write_lease(group)
-    restore = _cancel_on_sigterm()
+    group.restore = _cancel_on_sigterm()
+    return group
+
+
+def wait(group: _Group, log: Any, *, hang_timeout: float, on_line, should_stop=None) -> tuple[int, bool]:
+    """Relay the group's output line by line to `on_line` until torchrun exits; end the group when its
+    heartbeat stalls for `hang_timeout` (hung) or when `should_stop()` returns a reason (SIGTERM, then SIGKILL
+    30 s later), or on an exception in the task (a cancel). (rc, hung)."""
+    proc, out_dir = group.proc, group.out_dir
 
     def relay() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            ctx.log.info("%s", line.rstrip())
-            if tail is not None:
-                tail.append(line.rstrip())
+            on_line(line.rstrip())
 
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
@@ -138,11 +166,12 @@ def supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: 
             last = max(started, heartbeat.stat().st_mtime if heartbeat.exists() else 0.0)
             if time.time() - last > hang_timeout:
                 hung = True
-                ctx.log.error("no training progress for %.0fs; ending the process group", hang_timeout)
+                log.error("no training progress for %.0fs; ending the process group", hang_timeout)
                 _terminate_group(proc)
                 break
-            if abort is not None and abort() is not None:
-                ctx.log.error("the cache warm-up failed; ending training")
+            why = should_stop() if should_stop is not None else None
+            if why:
+                log.error("ending training: %s", why if isinstance(why, str) else "its caller asked")
                 _terminate_group(proc)
                 break
     except BaseException as exc:
@@ -150,14 +179,19 @@ def supervise(argv: list[str], out_dir: Path, ctx: RunContext, *, hang_timeout: 
         _cancel(group, f"{type(exc).__name__} in the task")
         raise
     finally:
-        restore()
+        group.restore()
         _RUNNING.discard(group)
-        _finish(group, ctx.log)
+        _finish(group, log)
     rc = proc.wait()
     reader.join(timeout=5)
     if group.cancelled:
-        ctx.log.warning("training cancelled: %s", (read_cancel(out_dir) or {}).get("reason"))
+        log.warning("training cancelled: %s", (read_cancel(out_dir) or {}).get("reason"))
     return rc, hung
+
+
+def stop(group: _Group, reason: str) -> None:
+    """Cancel one group (record the cancel, then SIGKILL all of it)."""
+    _cancel(group, reason)
 
 
 def end_leftovers(out_dir: Path, log: Any) -> dict | None:

@@ -1,7 +1,7 @@
 """Where a try's training runs, behind one interface: `local` (torchrun on the Airflow worker),
 `kubernetes` (a pod, or an Indexed Job of pods), `slurm` (one batch job of N nodes).
 
-A backend starts a `Launch`, relays its log while it waits, stops it on a cancel or a kill, and reports
+A backend (`local.LocalBackend`, `slurm.SlurmBackend`, `kubernetes.KubernetesBackend`) starts a `Launch`, relays its log while it waits, stops it on a cancel or a kill, and reports
 how it ended (`Ending`: exit code, the node, the platform's own termination reason, and the failure
 class that reason implies). The train stage and the recovery policy see only this. Pure builders (the
 torchrun argv, manifests, batch scripts) live apart from the code that starts and watches processes:
@@ -59,10 +59,12 @@ class Ending:
     failure_class: str | None = None
     """The recovery class the platform's reason implies; None: it says nothing (read the failure record)."""
     cancelled: bool = False
+    hung: bool = False
+    """Ended by Ballast for showing no progress (the hang guard), not by the platform."""
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and self.failure_class is None and not self.cancelled
+        return self.exit_code == 0 and self.failure_class is None and not self.cancelled and not self.hung
 
 
 class Backend(Protocol):

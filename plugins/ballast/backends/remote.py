@@ -43,8 +43,8 @@ def backend_for(spec, job_dir: Path, log: Any):
 
 
 def run(backend: Any, launch: Launch, out_dir: Path, log: Any, *, hang_timeout: float, heartbeat: bool,
-        tail: deque | None = None) -> tuple[Ending, bool]:
-    """Start `launch`, relay its log until it ends; (its ending, whether it was ended as hung). With
+        tail: deque | None = None) -> Ending:
+    """Start `launch`, relay its log until it ends; how it ended (`hung` when Ballast ended it). With
     `heartbeat` (a shared file system), the trainers' heartbeat in `out_dir` is watched for a hang."""
     from ballast.supervise import CANCELLED
 
@@ -84,11 +84,12 @@ def run(backend: Any, launch: Launch, out_dir: Path, log: Any, *, hang_timeout: 
         with _LOCK:
             _RUNNING.pop(key, None)
     if state["hung"]:
-        end = Ending(end.exit_code, host=end.host, reason="hang: ended by the orchestrator", failure_class="hang")
+        end = Ending(end.exit_code, host=end.host, reason="hang: ended by the orchestrator", failure_class="hang",
+                     hung=True)
     elif state["cancelled"]:
         end = Ending(end.exit_code, host=end.host, reason=end.reason, cancelled=True)
     (out_dir / LEASE).unlink(missing_ok=True)
-    return end, state["hung"]
+    return end
 
 
 def cancel(key: int, reason: str) -> None:

@@ -75,6 +75,10 @@ class Spec(Section):
                              f" but execution.{self.execution.backend}.gpus_per_node is {gpus}; one process per GPU:"
                              f" set processes_per_node: {gpus}")
         backend, s3 = self.execution.backend, self.storage.uri.startswith("s3://")
+        if backend == "local" and self.training.nodes > 1:
+            raise ValueError(f"training.nodes: {self.training.nodes} nodes, but execution.backend local trains on the"
+                             f" Airflow worker alone (the try would wait in rendezvous for nodes that never come);"
+                             f" set nodes: 1, or backend slurm or kubernetes")
         if backend == "kubernetes" and not s3 and self.execution.kubernetes.storage_claim is None:
             raise ValueError(f"execution.kubernetes.storage_claim: storage.uri is a path ({self.storage.uri!r}) that"
                              f" training pods cannot see; name a ReadWriteMany PersistentVolumeClaim holding it, or"

@@ -24,7 +24,9 @@ from ballast.launch_spec import run_config, torchrun_argv
 from ballast.records import BestValidation, RoundResult, TrainResult
 from ballast.recovery import adapt, history
 from ballast.recovery.policy import FAILURES_KEY, decide
-from ballast.supervise import end_leftovers, supervise, was_cancelled
+from ballast.backends import Launch, job_name
+from ballast.backends.local import LocalBackend
+from ballast.supervise import end_leftovers, was_cancelled
 
 
 def run(ctx: RunContext) -> TrainResult:
@@ -248,20 +250,29 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
     ctx.log.info("launching: %s", " ".join(argv))
     # The trainer's own watchdog (same timeout) fires first and classifies the hang; this outer guard
     # catches what it cannot see, such as a group stuck in rendezvous before the first step.
+    backend = LocalBackend(out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60)
+    launch = Launch(name=job_name(ctx.dag_id, ctx.run_id, ctx.try_number), try_number=ctx.try_number, nodes=1,
+                    command=tuple(argv), micro_batch_size=micro)
     warmer = _Warmer(ctx) if cache.pending_phases else None
     tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+    def on_line(line: str) -> None:
+        ctx.log.info("%s", line)
+        tail.append(line)
+
+    handle = backend.start(launch)
     try:
-        rc, hung = supervise(argv, out_dir, ctx, hang_timeout=spec.execution.hang_timeout_seconds + 60,
-                             abort=(lambda: warmer.error) if warmer else None, try_number=ctx.try_number,
-                             tail=tail)
+        end = backend.wait(handle, on_line=on_line,
+                           should_stop=(lambda: warmer.error and f"the cache warm-up failed ({warmer.error})")
+                           if warmer else None)
     finally:
         if warmer:
             warmer.join()
     if warmer and warmer.error:
         raise warmer.error  # a damaged shard or a full disk: training could not have finished on this cache
-    if rc != 0:
-        raise failure(spec, rc, read_record(out_dir), "\n".join(tail), hung=hung,
-                       cancelled=was_cancelled(out_dir))
+    if end.exit_code != 0:
+        raise failure(spec, end.exit_code, read_record(out_dir), "\n".join(tail), hung=end.hung,
+                      cancelled=end.cancelled)
     return result(ctx, cfg, out_dir, ckpt_dir, uploaded=upload_checkpoints(ctx, ckpt_dir))
 
 

@@ -43,8 +43,9 @@ def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: 
     ctx.storage.write_bytes(job_key(ctx.run_key, ctx.try_number), job.model_dump_json(indent=1).encode())
     backend = remote.backend_for(spec, out_dir / "jobs", ctx.log)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    end, hung = remote.run(backend, launch, out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60,
-                           heartbeat=shared, tail=tail)
+    end = remote.run(backend, launch, out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60,
+                     heartbeat=shared, tail=tail)
+    hung = end.hung
     if not shared:
         _fetch_outputs(ctx, out_dir)
     if end.cancelled:
