@@ -24,7 +24,8 @@ class PlacementSpec(Section):
     """Where the processes run: the orchestrator's alone (the trainer reads its world from torchrun)."""
 
     nodes: int = Field(1, ge=1, le=4096)
-    """Machines (pods) taking part."""
+    """Machines (pods, Slurm nodes) taking part: a fixed count (an Indexed Job's completions =
+    parallelism; no elastic range), 1 on the local backend."""
     processes_per_node: int = Field(2, ge=1, le=64)
     """Training processes per machine (one per GPU on GPU machines)."""
 
