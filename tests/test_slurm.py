@@ -310,11 +310,11 @@ def test_a_preempted_job_checkpoints_and_the_next_try_asks_for_the_on_demand_par
 @pytest.mark.e2e
 def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(cluster, airflow_db, digits_raw,
                                                                                tmp_path):
-    """A one-minute job whose training stalls (a hang fault in try 1, the watchdog set past the limit):
-    Slurm's `--signal=TERM@10` reaches the trainers before the time limit (up to 60 s early, Slurm says:
-    its timer's resolution), their grace runs out with no step to checkpoint at, and they leave a
-    `preempted` record; the job ends by itself or at its limit (TIMEOUT). Either way the try is
-    preempted and the next one resumes from the last committed checkpoint and finishes."""
+    """A two-minute job whose training stalls at step 25 (a hang fault in try 1, the watchdogs set past
+    the limit): Slurm's `--signal=TERM@10` reaches the trainers before the time limit (up to 60 s
+    early, Slurm says: its timer's resolution; two minutes keep it after step 25 on a slow machine),
+    their grace runs out with no step to checkpoint at, and they leave a `preempted` record: the job
+    ends inside its limit. The next try resumes from the last committed checkpoint and finishes."""
     import subprocess as sp
 
     faults = [{"kind": "hang", "step": 25, "on_try": 1}]
@@ -322,7 +322,7 @@ def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(
     def edit(d):
         d["dataset"]["location"] = str(digits_raw)
         _fast(d, faults, preempt_grace_seconds=10)
-        on_slurm(d, time_limit_minutes=1)
+        on_slurm(d, time_limit_minutes=2)
         d["execution"]["hang_timeout_seconds"] = 600  # neither watchdog: the time limit ends try 1
 
     started = time.monotonic()
@@ -335,15 +335,15 @@ def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(
     fields = [slurm_status.parse_show_job(line) for line in jobs.splitlines()]
     t1 = next(f for f in fields if f.get("JobName", "").startswith("ballast-slurm-timelimit") and
               f["JobName"].endswith("-t1"))
-    assert t1["TimeLimit"] == "00:01:00", t1
+    assert t1["TimeLimit"] == "00:02:00", t1
     # Ended inside the limit by the trainers' preempted exit (75; 143 where srun reports the notice's
-    # SIGTERM), or by Slurm at it; never run past it.
-    assert t1["JobState"] == "TIMEOUT" or t1["ExitCode"] in ("75:0", "143:0"), t1
-    assert _seconds(t1["RunTime"]) <= 60 + 5 + 5, t1  # the limit, KillWait and slurmctld's tick
+    # SIGTERM), not by Slurm at it (TIMEOUT).
+    assert t1["JobState"] == "FAILED" and t1["ExitCode"] in ("75:0", "143:0"), t1
+    assert _seconds(t1["RunTime"]) < 120, t1
     # The notice came first: at the limit itself Slurm's SIGTERM is followed by SIGKILL after KillWait
     # (5 s), before a 10 s grace could run out and write this record.
     assert "grace period of 10s expired" in tries[0].reason, tries[0]
-    assert time.monotonic() - started < 400
+    assert time.monotonic() - started < 450
     assert cluster.jobs() == [] and cluster.leftovers() == []
 
 
