@@ -15,7 +15,7 @@ export AIRFLOW__CORE__EXECUTOR ?= LocalExecutor
 export GX_ANALYTICS_ENABLED ?= False
 export TQDM_DISABLE ?= 1
 
-.PHONY: env java slurm demo test unit ui lint schema bench constraints clean
+.PHONY: env java slurm browser demo test unit ui lint schema bench constraints clean vendor-uplot
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,10 +35,15 @@ slurm:
 	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { echo "installing Slurm (slurmctld slurmd slurm-client munge)"; \
 	  apt-get update -qq && apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null; }
 
+# Debian's Chromium and its driver, for the stability view's test in a real headless browser.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { echo "installing Chromium (chromium chromium-driver)"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }
+
 demo: env
 	$(BIN)/ballast demo
 
-test: env slurm
+test: env slurm browser
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # The fast tier: in-process tests of spec, plan, records, launch specs, checkpoints and codecs (under a
@@ -69,3 +74,11 @@ constraints:
 
 clean:
 	rm -rf .airflow .ballast
+
+# The chart library the stability view serves (no CDN), from the npm registry: what is committed under
+# plugins/ballast/ui/static/uplot/ (see SOURCE there for the tarball's sha256).
+UPLOT ?= 1.6.32
+vendor-uplot:
+	cd $$(mktemp -d) && npm pack --silent uplot@$(UPLOT) && sha256sum uplot-$(UPLOT).tgz && \
+	  tar xzf uplot-$(UPLOT).tgz && cp package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE \
+	  $(CURDIR)/plugins/ballast/ui/static/uplot/

@@ -294,6 +294,7 @@ class Trainer:
             self._resumed_at = None
         if step % 10 == 0:
             self.metrics.event("step", step, epoch=self.state.epoch, loss=loss, grad_norm=gnorm,
+                               lr=self.opt.param_groups[0]["lr"], loss_scale=self.scaler.get_scale(),
                                data_s=round(t1 - t0, 6), compute_s=round(t2 - t1, 6), comm_opt_s=round(t3 - t2, 6))
 
     def _diverged(self, gnorm: float) -> None:

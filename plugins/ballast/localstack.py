@@ -29,11 +29,14 @@ from ballast.localrun import configure_env, migrate_db
 
 class LocalStack:
     def __init__(self, port: int = 8080, *, log_dir: Path | None = None, extra_env: dict[str, str] | None = None,
-                 airflow: list[str] | None = None, bind_to_parent: bool = False):
+                 airflow: list[str] | None = None, bind_to_parent: bool = False,
+                 users: dict[str, tuple[str, str]] | None = None):
         """`airflow`: the command that runs Airflow (default this interpreter's `-m airflow`; a test may
         put a stand-in there). `bind_to_parent`: Airflow's processes get SIGTERM when this process dies;
         only for a caller that starts and waits on one thread (the parent-death signal follows the
-        thread that started the process: see training.parentdeath)."""
+        thread that started the process: see training.parentdeath). `users`: name -> (role, password)
+        for the simple auth manager, instead of everyone an admin with no login (the first is the
+        one `request` logs in as)."""
         configure_env()
         self.airflow = list(airflow) if airflow else [sys.executable, "-m", "airflow"]
         self.bind_to_parent = bind_to_parent
@@ -51,6 +54,17 @@ class LocalStack:
             "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
             "AIRFLOW__CORE__PARALLELISM": "4",
         })
+        self.users = dict(users or {})
+        if self.users:
+            passwords = self.log_dir / "simple_auth_manager_passwords.json"
+            passwords.parent.mkdir(parents=True, exist_ok=True)
+            passwords.write_text(json.dumps({name: pw for name, (_, pw) in self.users.items()}))
+            passwords.chmod(0o600)
+            self.env.update({
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(f"{n}:{r}" for n, (r, _) in self.users.items()),
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+            })
         self.env.update(extra_env or {})
         self.procs: list[subprocess.Popen] = []
         self.names: dict[int, str] = {}
@@ -134,10 +148,21 @@ class LocalStack:
 
     def token(self) -> str:
         if self._token is None:
-            req = urllib.request.Request(f"{self.base}/auth/token", method="GET")
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                self._token = json.loads(resp.read())["access_token"]
+            if self.users:
+                self._token = self.login(next(iter(self.users)))
+            else:
+                req = urllib.request.Request(f"{self.base}/auth/token", method="GET")
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    self._token = json.loads(resp.read())["access_token"]
         return self._token
+
+    def login(self, user: str) -> str:
+        """A token for one of `users`, as the UI's login form gets it (POST /auth/token)."""
+        body = json.dumps({"username": user, "password": self.users[user][1]}).encode()
+        req = urllib.request.Request(f"{self.base}/auth/token", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())["access_token"]
 
     def request(self, method: str, path: str, body: Any = None, *, auth: bool = True) -> Any:
         """JSON request to the API server; raises urllib.error.HTTPError for 4xx/5xx."""

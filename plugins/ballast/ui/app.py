@@ -1,0 +1,160 @@
+"""The "Training stability" view: a FastAPI app the Airflow API server mounts (`ballast.ui.plugin`).
+
+Airflow does not protect a plugin's app, so every route here asks the API server's own security
+dependencies: `get_user` (the viewer's token from the Authorization header or the UI's `_token` cookie:
+none is 401, a bad one 401/403) and, for anything of one pipeline, `requires_access_dag` (read access to
+that DAG's runs, per request: 403). Static files included.
+
+Pages are HTML shells that fetch the JSON routes and draw with uPlot, vendored under `static/uplot/`
+(no CDN: the UI works with no internet access). Summaries come from the run records in the pipeline's
+storage (`ballast.ui.summary`), cached: a finished run's for good (its records no longer change), a
+running one's for `LIVE_SECONDS`. Routes are plain `def`s: FastAPI runs them in its thread pool, so a
+slow storage read never blocks the API server's event loop.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import mimetypes
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, Response
+
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+from airflow.api_fastapi.core_api.security import GetUserDep, get_user, requires_access_dag
+from ballast.ui import summary
+from ballast.ui.pipelines import Catalog
+
+STATIC = Path(__file__).parent / "static"
+LIVE_SECONDS = 5.0
+CACHED_RUNS = 256
+READ_RUNS = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
+
+
+class _Cache:
+    def __init__(self, size: int):
+        self._items: OrderedDict[tuple, tuple[float | None, Any]] = OrderedDict()
+        self._size, self._lock = size, threading.Lock()
+
+    def get(self, key: tuple, make, *, final) -> Any:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None and (hit[0] is None or hit[0] > time.monotonic()):
+                self._items.move_to_end(key)
+                return hit[1]
+        value = make()
+        expires = None if final(value) else time.monotonic() + LIVE_SECONDS
+        with self._lock:
+            self._items[key] = (expires, value)
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
+
+
+def create_app(catalog: Catalog | None = None) -> FastAPI:
+    catalog = catalog or Catalog()
+    cache = _Cache(CACHED_RUNS)
+    app = FastAPI(title="Ballast training stability", dependencies=[Depends(get_user)],
+                  docs_url=None, redoc_url=None, openapi_url=None)
+
+    def storage_of(dag_id: str):
+        storage = catalog.storage(dag_id)
+        if storage is None:
+            raise HTTPException(404, f"{dag_id} is not a Ballast pipeline (no spec in {catalog.directory})")
+        return storage
+
+    def run_data(dag_id: str, run_id: str) -> dict:
+        storage = storage_of(dag_id)
+        data = cache.get(("run", dag_id, run_id), lambda: summary.run_summary(storage, dag_id, run_id),
+                         final=lambda d: d is not None and d["status"] == "finished")
+        if data is None:
+            raise HTTPException(404, f"run {run_id!r} of {dag_id} has no records in {storage.describe('runs')}")
+        return data
+
+    @app.get("/api/pipelines")
+    def pipelines(user: GetUserDep) -> dict:
+        from airflow.api_fastapi.app import get_auth_manager
+
+        known = catalog.pipelines()
+        allowed = get_auth_manager().filter_authorized_dag_ids(dag_ids=set(known), user=user)
+        return {"pipelines": [{"dag_id": p.dag_id, "name": p.name, "storage": p.storage_uri}
+                              for d, p in sorted(known.items()) if d in allowed]}
+
+    @app.get("/api/pipelines/{dag_id}", dependencies=[READ_RUNS])
+    def pipeline_json(dag_id: str) -> dict:
+        storage = storage_of(dag_id)
+        return cache.get(("pipeline", dag_id), lambda: summary.pipeline_summary(storage, dag_id), final=lambda d: False)
+
+    @app.get("/api/runs/{dag_id}/{run_id}", dependencies=[READ_RUNS])
+    def run_json(dag_id: str, run_id: str) -> dict:
+        return run_data(dag_id, run_id)
+
+    @app.get("/runs/{dag_id}/{run_id}/data_docs/{path:path}", dependencies=[READ_RUNS])
+    def data_docs(dag_id: str, run_id: str, path: str) -> Response:
+        storage = storage_of(dag_id)
+        rel = PurePosixPath(path)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            raise HTTPException(404, "no such Data Docs page")
+        key = f"{summary.run_prefix(dag_id, run_id)}/data_docs/{rel}"
+        if not storage.exists(key):
+            raise HTTPException(404, f"no Data Docs page {path!r} for this run")
+        kind = mimetypes.guess_type(rel.name)[0] or "application/octet-stream"
+        return Response(storage.read_bytes(key), media_type=kind)
+
+    @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=[READ_RUNS])
+    def run_page(request: Request, dag_id: str, run_id: str) -> HTMLResponse:
+        run_data(dag_id, run_id)  # 404 here, not as an empty page
+        return _page(request, "run", f"{dag_id} / {run_id}",
+                     api=_url(request, "run_json", dag_id=dag_id, run_id=run_id),
+                     docs=_url(request, "data_docs", dag_id=dag_id, run_id=run_id, path="index.html"),
+                     dag_id=dag_id, run_id=run_id)
+
+    @app.get("/pipelines/{dag_id}", response_class=HTMLResponse, dependencies=[READ_RUNS])
+    def pipeline_page(request: Request, dag_id: str) -> HTMLResponse:
+        storage_of(dag_id)
+        return _page(request, "pipeline", dag_id, api=_url(request, "pipeline_json", dag_id=dag_id),
+                     runs=_url(request, "run_page", dag_id=dag_id, run_id="RUN"), dag_id=dag_id)
+
+    @app.get("/", response_class=HTMLResponse)
+    def overview(request: Request) -> HTMLResponse:
+        return _page(request, "overview", "Ballast pipelines", api=_url(request, "pipelines"),
+                     pipeline=_url(request, "pipeline_page", dag_id="DAG"))
+
+    @app.get("/static/{name:path}")
+    def static(name: str) -> Response:
+        path = (STATIC / name).resolve()
+        if not path.is_file() or STATIC.resolve() not in path.parents:
+            raise HTTPException(404, "no such file")
+        kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        return Response(path.read_bytes(), media_type=kind, headers={"Cache-Control": "private, max-age=3600"})
+
+    return app
+
+
+def _url(request: Request, route: str, /, **params: str) -> str:
+    """A path of this app as the browser sees it. Mounted under Airflow's API server, the request's
+    router is the root app's (`request.url_for` cannot find our routes): our own router, after the
+    mount's root path."""
+    from urllib.parse import quote
+
+    path = request.app.url_path_for(route, **{k: quote(v, safe="") for k, v in params.items()})
+    return request.scope.get("root_path", "").rstrip("/") + str(path)
+
+
+def _page(request: Request, kind: str, title: str, **config: str) -> HTMLResponse:
+    static = _url(request, "static", name="")
+    blob = json.dumps({"kind": kind, **config}).replace("</", "<\\/")
+    body = (STATIC / "page.html").read_text()
+    for key, value in {"TITLE": html.escape(title), "STATIC": html.escape(static), "CONFIG": blob}.items():
+        body = body.replace("{{" + key + "}}", value)
+    return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+
+
+app = create_app()

@@ -1,0 +1,352 @@
+"""What the "Training stability" view shows, read from the records a run already writes.
+
+Everything comes from the run's storage prefix (`runs/<dag>/<run>/`): the stage records, the attempt
+history, the trainer's event log (`train/metrics.jsonl`), the heartbeat, the checkpoint markers, the
+report. Never from Airflow's metadata database. Each record is read at most `MAX_RECORD_BYTES` (the
+event log: its last `MAX_EVENTS_BYTES`), and each is reported with its state: `ok`, `missing` (not
+written yet, or never), `partial` (the run is still going, or a line was cut) or `corrupt` (not what the
+record's model accepts). A bad record shows as such on the page; it never fails the whole summary.
+
+Pure functions of a `Storage` and a clock: the app (`ballast.ui.app`) caches their results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from ballast.context import safe_run_id
+from ballast.records import (
+    AttemptHistory,
+    ConvertResult,
+    EffectiveSpec,
+    PublishResult,
+    RecoverySummary,
+    RunReport,
+    TrainResult,
+    ValidateResult,
+    VerifyResult,
+    WarmCacheResult,
+)
+from ballast.storage import Storage
+
+MAX_RECORD_BYTES = 4 << 20
+MAX_EVENTS_BYTES = 16 << 20
+MAX_POINTS = 2000  # per curve: longer runs are thinned evenly (spikes are always kept)
+TRAIN_TASKS = "train"
+
+
+@dataclass
+class Reader:
+    """Bounded, typed reads of one run's records, noting each one's state."""
+
+    storage: Storage
+    prefix: str
+    states: dict[str, str] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+
+    def raw(self, name: str, limit: int | None = None) -> bytes | None:
+        key, limit = f"{self.prefix}/{name}", limit or MAX_RECORD_BYTES
+        try:
+            if not self.storage.exists(key):
+                self.states[name] = "missing"
+                return None
+            size = self.storage.size(key)
+            with self.storage.open_read(key, max(0, size - limit)) as fh:
+                data = fh.read(limit)
+        except Exception as exc:  # noqa: BLE001  (a storage error is this record's state, not the page's)
+            self.states[name], self.problems[name] = "corrupt", f"could not be read: {exc}"
+            return None
+        self.states[name] = "ok" if size <= limit else "partial"
+        if size > limit:
+            self.problems[name] = f"only its last {_size(limit)} of {_size(size)} read"
+        return data
+
+    def record(self, name: str, model: type[BaseModel]) -> Any:
+        data = self.raw(name)
+        if data is None:
+            return None
+        try:
+            return model.model_validate_json(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(top)"
+            self.states[name], self.problems[name] = "corrupt", f"{where}: {first['msg']}"
+            return None
+
+    def jsonl(self, name: str) -> list[dict]:
+        data = self.raw(name, MAX_EVENTS_BYTES)
+        if data is None:
+            return []
+        lines = data.split(b"\n")
+        if self.states[name] == "partial":
+            lines = lines[1:]  # the first line was cut by the bounded read
+        out, bad = [], 0
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                bad += 1  # a line being written, or damage
+        if bad:
+            self.states[name] = "partial"
+            self.problems[name] = f"{bad} unreadable line(s) skipped"
+        return out
+
+
+def run_prefix(dag_id: str, run_id: str) -> str:
+    return f"runs/{dag_id}/{safe_run_id(run_id)}"
+
+
+def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None = None) -> dict[str, Any] | None:
+    """The view of one run, or None when storage holds nothing of it (no such run, or not started)."""
+    now = time.time() if now is None else now
+    prefix = run_prefix(dag_id, run_id)
+    if not any(True for _ in _first(storage.list(prefix + "/"))):
+        return None
+    r = Reader(storage, prefix)
+    report = r.record("report.json", RunReport)
+    validate = r.record("stages/validate.json", ValidateResult)
+    convert = r.record("stages/convert.json", ConvertResult)
+    warm = r.record("stages/warm_cache.json", WarmCacheResult)
+    train = r.record("stages/train.json", TrainResult)
+    verify = r.record("stages/verify_checkpoint.json", VerifyResult)
+    publish = r.record("stages/publish.json", PublishResult)
+    history = r.record(f"attempts/{TRAIN_TASKS}.json", AttemptHistory)
+    events = r.jsonl("train/metrics.jsonl")
+    heartbeat = _heartbeat(r.raw("train/heartbeat", 256))
+    effective = r.record("spec.json", EffectiveSpec)
+    spec_data = effective.spec if effective is not None else None
+    finished = report is not None
+    return {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "status": "finished" if finished else "running or stopped",
+        "recovery": _recovery(history, now=None if finished else now),
+        "tries": _tries(history),
+        "checkpoints": _checkpoints(storage, prefix, verify),
+        "curves": _curves(events),
+        "step_time": _step_time(events),
+        "progress": _progress(events, heartbeat, history, convert, spec_data, train, now=now, finished=finished),
+        "warm_up": _warm_up(warm, spec_data),
+        "validation": _validation(validate, storage, prefix),
+        "model": _model(publish, report, train),
+        "records": {"states": r.states, "problems": r.problems},
+    }
+
+
+def pipeline_summary(storage: Storage, dag_id: str, *, limit: int = 200) -> dict[str, Any]:
+    """Across a pipeline's runs (the newest `limit`): the effective ratio and failures of each, and the
+    mean time between failures over them all."""
+    runs: dict[str, None] = {}
+    for key in storage.list(f"runs/{dag_id}/"):
+        rest = key[len(f"runs/{dag_id}/"):]
+        if "/" in rest:
+            runs.setdefault(rest.split("/", 1)[0], None)
+    rows, histories = [], []
+    for run in sorted(runs)[-limit:]:
+        r = Reader(storage, f"runs/{dag_id}/{run}")
+        history = r.record(f"attempts/{TRAIN_TASKS}.json", AttemptHistory)
+        report = r.raw("report.json", 64)  # only whether it exists
+        if history is None:
+            rows.append({"run": run, "state": r.states.get(f"attempts/{TRAIN_TASKS}.json"), "finished": report is not None})
+            continue
+        histories.append(history)
+        rec = RecoverySummary.of([history])
+        first = min((a.started for a in history.attempts), default=None)
+        rows.append({"run": run, "state": "ok", "finished": report is not None, "started": first,
+                     "ratio": rec.effective_ratio, "tries": rec.tries, "failures": rec.failures_by_class,
+                     "group_restarts": rec.group_restarts, "wall_seconds": rec.wall_seconds})
+    total = RecoverySummary.of(histories)
+    by_class: dict[str, int] = {}
+    for row in rows:
+        for cls, n in (row.get("failures") or {}).items():
+            by_class[cls] = by_class.get(cls, 0) + n
+    return {"dag_id": dag_id, "runs": rows, "mtbf_seconds": total.mtbf_seconds,
+            "failures_by_class": by_class, "effective_ratio": total.effective_ratio if histories else None}
+
+
+# --- sections ----------------------------------------------------------------------------------------
+
+
+def _recovery(history: AttemptHistory | None, *, now: float | None) -> dict[str, Any] | None:
+    if history is None:
+        return None
+    attempts = history.attempts
+    if now is not None and attempts and attempts[-1].ended is None:  # a try in progress counts up to now
+        last = attempts[-1].model_copy(update={"ended": now})
+        history = history.model_copy(update={"attempts": [*attempts[:-1], last]})
+    s = RecoverySummary.of([history])
+    restart = sum(a.restart_seconds for a in history.attempts)
+    group = sum(a.group_restart_lost_seconds for a in history.attempts)
+    work = max(0.0, s.lost_seconds - restart - group)
+    lost = {"restart of a new try": restart, "in-try group restarts": group,
+            "work since the last checkpoint": work, "waiting for the retry": s.retry_wait_seconds}
+    by_class: dict[str, float] = {}
+    for a in history.attempts:
+        if a.outcome == "failed":
+            key = a.failure_class or "unknown"
+            by_class[key] = by_class.get(key, 0.0) + a.lost_seconds
+    return {**s.model_dump(), "lost_by_cause": {k: round(v, 3) for k, v in lost.items()},
+            "lost_by_class": {k: round(v, 3) for k, v in by_class.items()}}
+
+
+def _tries(history: AttemptHistory | None) -> list[dict[str, Any]]:
+    if history is None:
+        return []
+    out = []
+    for i, a in enumerate(history.attempts):
+        nxt = history.attempts[i + 1] if i + 1 < len(history.attempts) else None
+        out.append({"try": a.try_number, "outcome": a.outcome if a.ended is not None else "running",
+                    "failure_class": a.failure_class, "reason": a.reason, "host": a.host, "exit_code": a.exit_code,
+                    "seconds": round(a.seconds, 3), "step_reached": a.step_reached, "resumed_step": a.resumed_step,
+                    "lost_seconds": a.lost_seconds, "group_restarts": a.group_restarts, "settings": a.settings,
+                    "adaptation_next": nxt.adaptation if nxt is not None else []})
+    return out
+
+
+def _checkpoints(storage: Storage, prefix: str, verify: VerifyResult | None) -> dict[str, Any]:
+    committed, quarantined = [], []
+    for key in storage.list(f"{prefix}/checkpoints/"):
+        rest = key[len(f"{prefix}/checkpoints/"):]
+        parts = rest.split("/")
+        if parts[-1] != "COMMITTED":
+            continue
+        if parts[0] == "quarantine" and len(parts) == 3:
+            quarantined.append(parts[1])
+        elif len(parts) == 2:
+            committed.append(parts[0])
+    verified = []
+    if verify is not None:
+        verified = sorted({verify.last.path.rstrip("/").rsplit("/", 1)[-1], verify.best.path.rstrip("/").rsplit("/", 1)[-1]})
+        quarantined = sorted(set(quarantined) | {q.rstrip("/").rsplit("/", 1)[-1] for q in verify.quarantined})
+    return {"committed": sorted(committed), "verified": verified, "quarantined": sorted(quarantined)}
+
+
+def _curves(events: list[dict]) -> dict[str, Any]:
+    steps = [e for e in events if e.get("event") == "step" and e.get("rank", 0) == 0]
+    spikes: dict[tuple, dict] = {}  # every rank logs an anomaly it sees: one mark per step and kind
+    for e in events:
+        if e.get("event") == "anomaly":
+            mark = {"step": e["step"], "kind": e.get("kind"), "loss": _finite(e.get("loss")), "zscore": e.get("zscore")}
+            spikes.setdefault((e["step"], e.get("kind")), mark)
+    keep = _thin(len(steps), MAX_POINTS)
+    pts = [steps[i] for i in keep]
+
+    def col(name: str) -> list[float | None]:
+        return [_finite(p.get(name)) for p in pts]
+
+    return {"step": [p["step"] for p in pts], "time": [p.get("time") for p in pts], "loss": col("loss"),
+            "grad_norm": col("grad_norm"), "learning_rate": col("lr"), "loss_scale": col("loss_scale"),
+            "spikes": sorted(spikes.values(), key=lambda m: m["step"]), "points": len(steps), "shown": len(pts),
+            "resumes": [e["step"] for e in events if e.get("event") == "resume"]}
+
+
+def _step_time(events: list[dict]) -> dict[str, Any] | None:
+    steps = [e for e in events if e.get("event") == "step" and "compute_s" in e]
+    if not steps:
+        return None
+    split = {k: statistics.median(float(e.get(f, 0.0)) for e in steps)
+             for k, f in (("data", "data_s"), ("compute", "compute_s"), ("communication", "comm_opt_s"))}
+    total = sum(split.values())
+    return {"median_seconds": {k: round(v, 6) for k, v in split.items()},
+            "share": {k: round(v / total, 4) if total else None for k, v in split.items()}, "samples": len(steps)}
+
+
+def _progress(events: list[dict], heartbeat: tuple[int, float] | None, history: AttemptHistory | None,
+              convert: ConvertResult | None, spec: dict | None, train: TrainResult | None, *, now: float,
+              finished: bool) -> dict[str, Any]:
+    total = _planned_steps(convert, spec)
+    if train is not None:  # training is over: its record has the last step (the heartbeat is throttled)
+        step = train.steps
+    elif heartbeat:
+        step = heartbeat[0]
+    else:
+        step = max((e.get("step", 0) for e in events if e.get("event") == "step"), default=0)
+    recent = [e for e in events if e.get("event") == "step"][-20:]
+    rate = None
+    if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"]:
+        rate = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
+    batch = (spec or {}).get("training", {}).get("global_batch_size")
+    current = history.attempts[-1] if history and history.attempts else None
+    eta = None
+    if not finished and rate and total and step < total:
+        eta = round((total - step) / rate, 1)
+    return {"step": step, "total": total, "steps_per_second": round(rate, 3) if rate else None,
+            "samples_per_second": round(rate * batch, 1) if rate and batch else None, "eta_seconds": eta,
+            "current_try": current.try_number if current else None,
+            "heartbeat_age_seconds": round(now - heartbeat[1], 1) if heartbeat and not finished else None}
+
+
+def _warm_up(warm: WarmCacheResult | None, spec: dict | None) -> dict[str, Any] | None:
+    if warm is None:
+        return None
+    planned = [s.get("name") for s in (spec or {}).get("cache", {}).get("stages", [])]
+    return {"phases": [p.model_dump() for p in warm.phases], "pending_phases": warm.pending_phases,
+            "planned": planned, "seconds": warm.seconds, "format": warm.format}
+
+
+def _validation(validate: ValidateResult | None, storage: Storage, prefix: str) -> dict[str, Any] | None:
+    if validate is None:
+        return None
+    docs = validate.data_docs
+    rel = docs[len(prefix) + 1:] if docs and docs.startswith(prefix + "/") else None
+    return {"rows": validate.rows, "expectations": validate.expectations, "failures": validate.failures,
+            "passed": not validate.failures, "data_docs": rel, "quarantine": validate.quarantine is not None}
+
+
+def _model(publish: PublishResult | None, report: RunReport | None, train: TrainResult | None) -> dict[str, Any] | None:
+    if publish is None:
+        return None
+    return {"version": publish.published_version, "published": publish.published, "reason": publish.reason,
+            "metric": publish.metric, "value": publish.value, "model": publish.model,
+            "warm_started_from": train.warm_started_from if train else None,
+            "dataset": report.stages.convert.dataset_id if report else None,
+            "input_fingerprint": report.stages.validate_.input_fingerprint if report else None}
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+
+def _planned_steps(convert: ConvertResult | None, spec: dict | None) -> int | None:
+    t = (spec or {}).get("training") or {}
+    if convert is None or not t.get("epochs") or not t.get("global_batch_size"):
+        return None
+    planned = t["epochs"] * max(1, convert.rows.get("train", 0) // t["global_batch_size"])
+    limit = (t.get("rehearsal") or {}).get("max_steps")
+    return min(planned, limit) if limit else planned
+
+
+def _heartbeat(data: bytes | None) -> tuple[int, float] | None:
+    try:
+        step, at = (data or b"").split()[:2]
+        return int(step), float(at)
+    except ValueError:
+        return None
+
+
+def _finite(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _thin(n: int, most: int) -> list[int]:
+    if n <= most:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def _first(it):
+    for x in it:
+        yield x
+        return

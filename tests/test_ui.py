@@ -1,0 +1,300 @@
+"""The Training stability view: its summary of a run's records (unit), and the view inside the real
+Airflow UI (e2e: the API server, scheduler and DAG processor on loopback, Debian's headless Chromium)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from ballast.records import Attempt, AttemptHistory, RecoverySummary
+from ballast.storage import LocalStorage
+
+RUN = "manual__2026-12-04T10:00:00+00:00"
+PREFIX = "runs/ballast_demo/manual__2026-12-04T10_00_00_00_00"
+
+
+def _attempt(n: int, **kw) -> Attempt:
+    base = dict(try_number=n, outcome="success", host="vm", started=1000.0 * n, ended=1000.0 * n + 100, first_step_at=None,
+                step_reached=50, settings={"micro_batch_size": 32}, adaptation=[])
+    return Attempt(**{**base, **kw})
+
+
+def _write(root: Path, key: str, data) -> None:
+    path = root / PREFIX / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else (json.dumps(data) if not isinstance(data, str) else data).encode())
+
+
+def _records(root: Path) -> AttemptHistory:
+    history = AttemptHistory(task_id="train", attempts=[
+        _attempt(1, outcome="failed", failure_class="oom", reason="out of memory at step 30", host="node-3",
+                 ended=1090.0, step_reached=30, last_commit_step=20, restart_seconds=0.0, lost_seconds=8.0),
+        _attempt(2, started=1100.0, ended=1200.0, resumed_step=20, restart_seconds=4.0, lost_seconds=6.5,
+                 group_restarts=1, group_restart_lost_seconds=2.5,
+                 adaptation=["out of memory in try 1: micro-batch 32 -> 16 (gradient accumulation keeps the global batch)"],
+                 settings={"micro_batch_size": 16})])
+    _write(root, "attempts/train.json", history.model_dump_json())
+    events = [{"event": "first_step", "time": 1001.0, "step": 1, "rank": 0}]
+    for step in range(10, 101, 10):
+        events.append({"event": "step", "time": 1000.0 + step, "step": step, "rank": 0, "loss": 2.0 / step,
+                       "grad_norm": 1.0, "lr": 0.01, "loss_scale": 1.0, "data_s": 0.001, "compute_s": 0.006,
+                       "comm_opt_s": 0.003})
+    events.append({"event": "anomaly", "time": 1055.0, "step": 55, "rank": 1, "kind": "loss_spike", "loss": 9.0,
+                   "zscore": 7.5})
+    _write(root, "train/metrics.jsonl", "\n".join(json.dumps(e) for e in events) + "\n")
+    for step in (20, 40, 60):
+        _write(root, f"checkpoints/step-{step:08d}/COMMITTED", "")
+    _write(root, "checkpoints/quarantine/step-00000080/COMMITTED", "")
+    _write(root, "heartbeat", "100 1200.0\n")
+    return history
+
+
+@pytest.mark.unit
+def test_the_run_summary_reads_the_records_and_adds_up_the_time(tmp_path):
+    from ballast.ui.summary import run_summary
+
+    history = _records(tmp_path)
+    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    expected = RecoverySummary.of([history])
+    rec = s["recovery"]
+    assert rec["effective_ratio"] == expected.effective_ratio and rec["tries"] == 2
+    assert rec["failures_by_class"] == {"oom": 1} and rec["group_restarts"] == 1
+    assert rec["lost_by_cause"] == {"restart of a new try": 4.0, "in-try group restarts": 2.5,
+                                    "work since the last checkpoint": 8.0, "waiting for the retry": 10.0}
+    assert rec["lost_by_class"] == {"oom": 8.0}
+    t1, t2 = s["tries"]
+    assert (t1["outcome"], t1["failure_class"], t1["host"]) == ("failed", "oom", "node-3")
+    assert t1["adaptation_next"] == [history.attempts[1].adaptation[0]] and t2["resumed_step"] == 20
+    assert s["checkpoints"] == {"committed": ["step-00000020", "step-00000040", "step-00000060"], "verified": [],
+                                "quarantined": ["step-00000080"]}
+    c = s["curves"]
+    assert c["step"] == list(range(10, 101, 10)) and c["loss"][0] == pytest.approx(0.2)
+    assert c["learning_rate"] == [0.01] * 10 and c["spikes"] == [{"step": 55, "kind": "loss_spike", "loss": 9.0,
+                                                                 "zscore": 7.5}]
+    assert s["step_time"]["share"] == {"data": 0.1, "compute": 0.6, "communication": 0.3}
+    assert s["progress"]["current_try"] == 2 and s["progress"]["steps_per_second"] == 1.0
+    # Nothing of the finished stages yet: each record says so; the page is still served.
+    assert s["status"] == "running or stopped" and s["model"] is None
+    assert s["records"]["states"]["report.json"] == "missing"
+    assert s["records"]["states"]["attempts/train.json"] == "ok"
+
+
+@pytest.mark.unit
+def test_a_try_in_progress_counts_up_to_now(tmp_path):
+    from ballast.ui.summary import run_summary
+
+    history = _records(tmp_path)
+    running = history.model_copy(update={"attempts": [history.attempts[0], history.attempts[1].model_copy(
+        update={"ended": None, "outcome": "running"})]})
+    _write(tmp_path, "attempts/train.json", running.model_dump_json())
+    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1250.0)
+    assert s["tries"][1]["outcome"] == "running"
+    assert s["recovery"]["wall_seconds"] == 250.0  # the first try's start to now
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("damage,state,problem", [
+    (b'{"version": 1, "task_id": "train", "attempts": [{"try_number": "one"}]}', "corrupt", "attempts.0"),
+    (b"\x00\xffnot json", "corrupt", "(top)"),
+])
+def test_corrupt_records_show_as_such(tmp_path, damage, state, problem):
+    from ballast.ui.summary import run_summary
+
+    _records(tmp_path)
+    _write(tmp_path, "attempts/train.json", damage)
+    _write(tmp_path, "train/metrics.jsonl", b'{"event": "step", "step": 10, "time": 1.0, "loss": 1.0}\n{"event": "st')
+    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    assert s["records"]["states"]["attempts/train.json"] == state
+    assert s["records"]["problems"]["attempts/train.json"].startswith(problem)
+    assert s["recovery"] is None and s["tries"] == []
+    assert s["records"]["states"]["train/metrics.jsonl"] == "partial"  # a line being written
+    assert s["curves"]["step"] == [10]
+
+
+@pytest.mark.unit
+def test_a_run_with_no_records_is_none_and_bounded_reads_say_partial(tmp_path, monkeypatch):
+    from ballast.ui import summary
+
+    assert summary.run_summary(LocalStorage(tmp_path), "ballast_demo", RUN) is None
+    _records(tmp_path)
+    monkeypatch.setattr(summary, "MAX_EVENTS_BYTES", 300)
+    s = summary.run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    assert s["records"]["states"]["train/metrics.jsonl"] == "partial"
+    assert "last" in s["records"]["problems"]["train/metrics.jsonl"]
+    assert s["curves"]["step"] and s["curves"]["step"][-1] == 100  # the newest lines, the cut one dropped
+
+
+@pytest.mark.unit
+def test_the_pipeline_summary_spans_runs(tmp_path):
+    from ballast.ui.summary import pipeline_summary
+
+    history = _records(tmp_path)
+    other = tmp_path / "runs/ballast_demo/scheduled__2026-12-05T00_00_00_00_00/attempts"
+    other.mkdir(parents=True)
+    (other / "train.json").write_text("{broken")
+    s = pipeline_summary(LocalStorage(tmp_path), "ballast_demo")
+    assert [r["run"] for r in s["runs"]] == ["manual__2026-12-04T10_00_00_00_00", "scheduled__2026-12-05T00_00_00_00_00"]
+    assert s["runs"][0]["ratio"] == RecoverySummary.of([history]).effective_ratio
+    assert s["runs"][1]["state"] == "corrupt"
+    assert s["failures_by_class"] == {"oom": 1}
+    assert s["mtbf_seconds"] == RecoverySummary.of([history]).mtbf_seconds
+
+
+@pytest.mark.unit
+def test_the_plugin_is_what_airflows_api_accepts():
+    """Airflow drops a whole plugin whose entry fails its response model: validate ours with it."""
+    from airflow.api_fastapi.core_api.datamodels.plugins import ExternalViewResponse, FastAPIAppResponse
+
+    from ballast.ui.plugin import BallastPlugin
+
+    for view in BallastPlugin.external_views:
+        ExternalViewResponse.model_validate(view)
+    tab = next(v for v in BallastPlugin.external_views if v["destination"] == "dag_run")
+    assert "{DAG_ID}" in tab["href"] and "{RUN_ID}" in tab["href"] and tab["url_route"]
+    for app in BallastPlugin.fastapi_apps:
+        FastAPIAppResponse.model_validate({**app, "app": str(app["app"])})
+
+
+# --- the view in the real Airflow UI -----------------------------------------------------------------
+
+
+def _browser():
+    import shutil
+
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (make browser)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,2200"):
+        opts.add_argument(flag)
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+
+
+def _get(url: str, token: str | None = None) -> tuple[int, dict | str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            body = resp.read().decode()
+            return resp.status, json.loads(body) if resp.headers.get_content_type() == "application/json" else body
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.e2e
+def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_path):
+    """A finished demo run and a run with injected faults (a loss spike, an out-of-memory on try 1),
+    then the real API server: the plugin's tab on each run, in headless Chromium, logged in as a viewer;
+    the page's numbers are the records'; no token is 401, a run that does not exist 404."""
+    from urllib.parse import quote
+
+    from helpers import free_port, run_spec_dag
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ballast.localstack import LocalStack
+    from ballast.recovery import history
+
+    def fast(d, faults=()):
+        d["dataset"]["location"] = str(digits_raw)
+        d["training"].update(epochs=3, checkpoint={"every_steps": 10, "keep_last": 5},
+                             rehearsal={"faults": list(faults)}, monitors={"spike_window": 20})
+        d["evaluation"].update(threshold=None, patience=10)
+        d["recovery"] = {"retry_delay_seconds": 0}
+        d["schedule"] = {}
+
+    demo, demo_ctx = run_spec_dag(tmp_path, fast, name="view_demo")
+    faults = [{"kind": "spike", "step": 35, "on_try": 1}, {"kind": "oom", "step": 45, "on_try": 1}]
+    faulty, faulty_ctx = run_spec_dag(tmp_path, lambda d: fast(d, faults), conf={"rehearsal": True}, name="view_faults")
+    assert str(demo.state) == str(faulty.state) == "success"
+    tries = history.load(faulty_ctx, "train").attempts
+    assert [(a.outcome, a.failure_class) for a in tries] == [("failed", "oom"), ("success", None)]
+    expected = {ctx.dag_id: RecoverySummary.of([history.load(ctx, "train")]) for ctx in (demo_ctx, faulty_ctx)}
+
+    port = free_port()
+    env = {"AIRFLOW__CORE__DAGS_FOLDER": str(tmp_path / "dags")}
+    users = {"viewer": ("viewer", "viewer-pw"), "admin": ("admin", "admin-pw")}
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with LocalStack(port, log_dir=tmp_path / "logs", extra_env=env, users=users) as stack:
+        base = stack.base
+        plugins = stack.request("GET", "/api/v2/plugins")["plugins"]
+        ours = next(p for p in plugins if p["name"] == "ballast")
+        assert {v["destination"] for v in ours["external_views"]} == {"dag_run", "nav"}
+        token = stack.login("viewer")
+        api = f"{base}/ballast/api/runs/{faulty_ctx.dag_id}/{quote(faulty.run_id, safe='')}"
+        assert _get(api)[0] == 401  # no credentials
+        assert _get(api, "not-a-token")[0] in (401, 403)
+        code, data = _get(api, token)
+        assert code == 200 and data["recovery"]["effective_ratio"] == expected[faulty_ctx.dag_id].effective_ratio
+        assert [s["step"] for s in data["curves"]["spikes"] if s["kind"] == "loss_spike"][:1] == [34], data["curves"]
+        assert data["model"]["published"] and data["validation"]["passed"]
+        assert all(v is not None for v in data["curves"]["learning_rate"] + data["curves"]["loss_scale"])
+        assert _get(f"{base}/ballast/api/runs/{faulty_ctx.dag_id}/no_such_run", token)[0] == 404
+        assert _get(f"{base}/ballast/api/runs/ballast_nope/{quote(faulty.run_id, safe='')}", token)[0] in (403, 404)
+        assert _get(f"{base}/ballast/static/stability.js")[0] == 401
+        assert _get(f"{base}/ballast/static/../app.py", token)[0] == 404
+
+        browser = _browser()
+        try:
+            browser.get(f"{base}/api/v2/monitor/health")  # the origin, to set the UI's cookie on
+            browser.add_cookie({"name": "_token", "value": token, "path": "/"})
+            for dr, ctx in ((demo, demo_ctx), (faulty, faulty_ctx)):
+                browser.get(f"{base}/dags/{ctx.dag_id}/runs/{quote(dr.run_id, safe='')}/plugin/ballast-run")
+                frame = WebDriverWait(browser, 60).until(ec.presence_of_element_located((By.CSS_SELECTOR, "iframe")))
+                browser.switch_to.frame(frame)
+                WebDriverWait(browser, 60).until(
+                    lambda b: b.find_element(By.ID, "app").get_attribute("data-state") in ("rendered", "error"))
+                app = browser.find_element(By.ID, "app")
+                assert app.get_attribute("data-state") == "rendered", app.text
+                WebDriverWait(browser, 30).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#charts canvas")) >= 2)
+                want = expected[ctx.dag_id]
+                assert browser.find_element(By.ID, "ratio").text == f"{100 * want.effective_ratio:.1f} %"
+                assert browser.find_element(By.ID, "tries-count").text == str(want.tries)
+                rows = browser.find_elements(By.CSS_SELECTOR, "#tries tbody tr")
+                assert len(rows) == want.tries
+                committed = ctx.storage.list(f"{ctx.run_key}/checkpoints/")
+                n = sum(1 for k in committed if k.endswith("/COMMITTED") and "/quarantine/" not in k)
+                assert browser.find_element(By.ID, "committed").get_attribute("data-count") == str(n)
+                assert "published" in browser.find_element(By.ID, "model").text
+                browser.switch_to.default_content()
+                browser.save_screenshot(str(shots / f"{ctx.dag_id}.png"))
+                if ctx is faulty_ctx:
+                    browser.switch_to.frame(browser.find_element(By.CSS_SELECTOR, "iframe"))
+                    first = rows[0].text if rows else ""
+                    assert "failed" in first and "oom" in first and "micro-batch" in first, first
+                    classes = browser.find_element(By.ID, "failures-by-class").text
+                    assert "oom" in classes
+                    assert "anomaly" in browser.find_element(By.ID, "charts").find_element(By.XPATH, "..").text
+                    browser.switch_to.default_content()
+            browser.get(f"{base}/plugin/ballast")  # the navigation entry: pipelines, then one pipeline's runs
+            browser.switch_to.frame(WebDriverWait(browser, 60).until(
+                ec.presence_of_element_located((By.CSS_SELECTOR, "iframe"))))
+            WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "app").get_attribute("data-state") == "rendered")
+            assert {faulty_ctx.dag_id, demo_ctx.dag_id} <= set(browser.find_element(By.ID, "pipelines").text.split())
+        finally:
+            browser.quit()
+    assert (shots / f"{faulty_ctx.dag_id}.png").stat().st_size > 10_000
+
+
+@pytest.mark.integration
+def test_airflow_lists_the_plugin_from_its_entry_point(airflow_db):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "airflow", "plugins", "-o", "json"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plugins = json.loads(out.stdout[out.stdout.index("["):])
+    ours = [p for p in plugins if p["name"] == "ballast"]
+    assert len(ours) == 1, [p["name"] for p in plugins]
+    assert "ballast.ui.plugin" in json.dumps(ours[0])
