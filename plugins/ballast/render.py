@@ -14,6 +14,7 @@ from typing import Any
 from airflow.sdk import DAG, Asset, BaseOperator, Param, TaskGroup
 
 from ballast.errors import SpecError
+from ballast.notify import callbacks
 from ballast.plan import Plan, build_plan
 from ballast.recovery.policy import StageRetryPolicy
 from ballast.spec import load_spec
@@ -88,6 +89,8 @@ def render(plan: Plan) -> DAG:
                 retries=stage.retries,
                 retry_policy=StageRetryPolicy(plan.spec_data["recovery"], stage.name) if stage.retries else None,
                 doc_md=stage.doc,
+                **callbacks(plan.spec_data.get("notifications"), stage.module or stage.name, plan.spec_data,
+                            plan.spec_file),
             )
             for up in stage.upstream:
                 tasks[up] >> task

@@ -10,6 +10,7 @@ from ballast.spec.conversion import NAME_PATTERN, CacheSpec, ConversionSpec
 from ballast.spec.dataset import DatasetSpec
 from ballast.spec.deployment import ScheduleSpec, StorageSpec
 from ballast.spec.execution import ExecutionSpec
+from ballast.spec.notifications import NotificationsSpec
 from ballast.spec.overrides import resolve_field
 from ballast.spec.recovery import RecoverySpec
 from ballast.spec.training import EvaluationSpec, TrainingSpec
@@ -40,6 +41,8 @@ class Spec(Section):
     schedule: ScheduleSpec = ScheduleSpec()
     storage: StorageSpec = StorageSpec()
     execution: ExecutionSpec = ExecutionSpec()
+    notifications: NotificationsSpec = NotificationsSpec()
+    """Who hears of a failed or retried task: a webhook (HTTP connection), email (SMTP connection)."""
     overridable: tuple[str, ...] = ()
     """Dotted field paths (e.g. training.learning_rate) a person may change when triggering a run.
     Each becomes a run parameter named after its last part."""
