@@ -15,7 +15,7 @@ export AIRFLOW__CORE__EXECUTOR ?= LocalExecutor
 export GX_ANALYTICS_ENABLED ?= False
 export TQDM_DISABLE ?= 1
 
-.PHONY: env java slurm browser demo test unit ui lint schema bench constraints clean vendor-uplot
+.PHONY: env java slurm browser prometheus demo test unit ui lint schema bench constraints clean vendor-uplot
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,10 +40,15 @@ browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { echo "installing Chromium (chromium chromium-driver)"; \
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }
 
+# Debian's Prometheus and promtool, for the alert rules' test on a real training run.
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { echo "installing Prometheus"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
 demo: env
 	$(BIN)/ballast demo
 
-test: env slurm browser
+test: env slurm browser prometheus
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # The fast tier: in-process tests of spec, plan, records, launch specs, checkpoints and codecs (under a

@@ -168,3 +168,14 @@ def run_spec_dag(tmp_path: Path, edit: Edit, *, conf: dict | None = None, name: 
     from ballast.spec import load_spec
 
     return dr, RunContext(spec=load_spec(spec_path), dag_id=dag.dag_id, run_id=dr.run_id)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of the first sample `name` in a Prometheus exposition whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from ballast.spec import parse_spec
-from helpers import config, example_data, free_port, record, run_single, torchrun
+from helpers import config, example_data, free_port, metric_value, record, run_single, torchrun
 from training import checkpoint as ckpt
-from training.failure import EXIT_CODES
+from training.failure import EXIT_CODES, host_name
 from training.monitor import SpikeDetector, grad_stats
 
 
@@ -359,17 +359,17 @@ def test_prometheus_endpoint_serves_training_metrics(tmp_path, digits_cache):
     try:
         deadline = time.monotonic() + 60
         text = ""
-        while 'ballast_train_step{rank="0"} 19.0' not in text:
+        while metric_value(text, "ballast_train_step", rank="0") != 19.0:
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-2000:]
             time.sleep(0.2)
             try:
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
             except OSError:
                 continue
-        for metric in ('ballast_train_loss{rank="0"}', 'ballast_train_step_seconds{phase="compute",rank="0"}',
-                       'ballast_train_samples_per_second{rank="0"}', 'ballast_train_memory_bytes{rank="0"}',
-                       'ballast_train_loss_scale{rank="0"}'):
-            assert metric in text
+        for metric, extra in (("loss", {}), ("step_seconds", {"phase": "compute"}), ("samples_per_second", {}),
+                              ("memory_bytes", {}), ("loss_scale", {}), ("last_step_timestamp_seconds", {})):
+            assert metric_value(text, f"ballast_train_{metric}", rank="0", **{"try": "1"}, **extra) is not None, metric
+        assert metric_value(text, "ballast_train_step", rank="0", pipeline="digits", node=host_name()) == 19.0
         assert 'ballast_train_gpu_utilization_percent{' not in text  # no NVML on CPU: declared, never sampled
     finally:
         proc.wait(timeout=60)

@@ -144,21 +144,31 @@ class Watchdog:
                 return
 
 
-class Metrics:
-    """Per-rank Prometheus gauges (when a port is given) and rank 0's JSON-lines event log."""
+LABELS = ("pipeline", "run", "try", "node", "rank")
+"""Every metric's labels, in this order (stable: dashboards and alert rules select on them)."""
 
-    def __init__(self, *, out_dir: Path, rank: int, port: int | None):
+
+class Metrics:
+    """Per-rank Prometheus gauges (when a port is given) and rank 0's JSON-lines event log. Names:
+    `ballast_train_*`; labels: `LABELS` (the pipeline, the DAG run, the train task's try, the node, the
+    rank), from the run config's `identity`."""
+
+    def __init__(self, *, out_dir: Path, rank: int, port: int | None, identity: Any = None):
+        from training.failure import host_name
+
         self.out_dir = out_dir
         self.rank = rank
         self.events_path = out_dir / "metrics.jsonl"
         self.port = None
         self._g: dict[str, Any] = {}
         self._children: dict[tuple, Any] = {}
+        self.labels = {"pipeline": getattr(identity, "pipeline", "") or "", "run": getattr(identity, "run", "") or "",
+                       "try": str(getattr(identity, "try_number", 1)), "node": host_name(), "rank": str(rank)}
         if port is not None:
             from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
             self.registry = CollectorRegistry()
-            labels = ["rank"]
+            labels = list(LABELS)
             for name, doc in (("step", "optimizer steps taken"), ("loss", "training loss (global mean)"),
                               ("grad_norm", "gradient norm before clipping"), ("loss_scale", "dynamic loss scale"),
                               ("samples_per_second", "training samples per second, all ranks"),
@@ -167,14 +177,24 @@ class Metrics:
                               ("checkpoint_save_seconds", "time training was blocked by the last save"),
                               ("checkpoint_write_seconds", "time the last checkpoint took to write and commit"),
                               ("checkpoint_load_seconds", "time the last resume took"),
+                              ("last_step_timestamp_seconds", "unix time of the last finished step"),
+                              ("last_checkpoint_timestamp_seconds", "unix time of the last committed checkpoint"),
+                              ("checkpoint_interval_seconds", "the longest time between checkpoints (every_seconds)"),
                               ("gpu_utilization_percent", "GPU utilisation (NVML)"),
-                              ("gpu_temperature_celsius", "GPU temperature (NVML)")):
+                              ("gpu_temperature_celsius", "GPU temperature (NVML)"),
+                              ("gpu_memory_used_bytes", "GPU memory in use on this rank's device (NVML)")):
                 self._g[name] = Gauge(f"ballast_train_{name}", doc, labels, registry=self.registry)
             self._g["step_seconds"] = Gauge("ballast_train_step_seconds", "time per step by phase",
-                                            ["rank", "phase"], registry=self.registry)
-            self._g["anomalies"] = Counter("ballast_train_anomalies", "anomalies seen", ["rank", "kind"],
+                                            [*labels, "phase"], registry=self.registry)
+            self._g["failures_before"] = Gauge("ballast_train_failures_before",
+                                               "failed tries of this task before this one, by failure class",
+                                               [*labels, "failure_class"], registry=self.registry)
+            self._g["anomalies"] = Counter("ballast_train_anomalies", "anomalies seen", [*labels, "kind"],
                                            registry=self.registry)
-            start_http_server(port + rank, addr="127.0.0.1", registry=self.registry)
+            for cls, n in (getattr(identity, "failures_before", None) or {}).items():
+                self._child("failures_before", failure_class=cls).set(n)
+            start_http_server(port + rank, addr=os.environ.get("BALLAST_METRICS_ADDR", "127.0.0.1"),
+                              registry=self.registry)
             self.port = port + rank
 
     def _child(self, name: str, **labels: str):
@@ -182,7 +202,7 @@ class Metrics:
         key = (name, *labels.values())
         child = self._children.get(key)
         if child is None and name in self._g:
-            child = self._children[key] = self._g[name].labels(rank=str(self.rank), **labels)
+            child = self._children[key] = self._g[name].labels(**self.labels, **labels)
         return child
 
     def set(self, **values: float) -> None:
@@ -202,7 +222,7 @@ class Metrics:
     def anomaly(self, kind: str) -> None:
         c = self._g.get("anomalies")
         if c is not None:
-            c.labels(rank=str(self.rank), kind=kind).inc()
+            c.labels(**self.labels, kind=kind).inc()
 
     def event(self, name: str, step: int, **fields: Any) -> None:
         if self.rank != 0 and name != "anomaly":

@@ -58,7 +58,8 @@ class Trainer:
         self._first_step = True  # this process's first step: the orchestrator times a restart to it
         self._started = time.monotonic()
         self.limit_reached = False
-        self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.execution.metrics_port)
+        self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.execution.metrics_port, identity=cfg.identity)
+        self.metrics.set(checkpoint_interval_seconds=cfg.checkpoint.every_seconds)
         self.faults = Injector(load_faults(cfg.rehearsal.faults), rank=self.rank, out_dir=self.out,
                                checkpoint_dir=Path(cfg.checkpoint.directory))
 
@@ -284,7 +285,7 @@ class Trainer:
         self.supervision.heartbeat(force=False)
         self.metrics.phases(data=t1 - t0, compute=t2 - t1, communication_optimizer=t3 - t2)
         self.metrics.set(step=step, loss=loss, grad_norm=gnorm, loss_scale=self.scaler.get_scale(),
-                         learning_rate=self.opt.param_groups[0]["lr"],
+                         learning_rate=self.opt.param_groups[0]["lr"], last_step_timestamp_seconds=time.time(),
                          samples_per_second=self.cfg.batch.per_process * self.dist.world / max(t3 - t0, 1e-9))
         if self._first_step:
             self._first_step = False

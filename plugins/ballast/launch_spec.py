@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from ballast.spec import Spec
 from training.config.run import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig, ModelConfig,
-                                 RunConfig)
+                                 RunConfig, RunIdentity)
 from training.config.sections import (EarlyStopSettings, ExecutionSettings, NumericsSettings, OptimSettings,
                                       RecoverySettings, RehearsalSettings, ResourceSettings)
 
@@ -32,7 +32,7 @@ def adapt_micro_batch(spec: Spec, current: int, factor: float) -> int:
 def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: str, output_dir: str,
                micro_batch_size: int | None = None, data_wait_seconds: float = 0.0,
                faults: tuple | None = None, epochs: int | None = None,
-               init_weights: str | None = None) -> RunConfig:
+               init_weights: str | None = None, identity: RunIdentity | None = None) -> RunConfig:
     """The trainer's run config for one try: the spec's sections passed through whole, plus what this
     try decided (paths, the cache's format, an adapted micro-batch, the rehearsal faults meant for this
     try: none unless given). A setting added to a section of
@@ -57,6 +57,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         recovery=_section(RecoverySettings, spec.recovery),
         execution=_section(ExecutionSettings, spec.execution),
         rehearsal=_section(RehearsalSettings, t.rehearsal, faults=tuple(faults or ())),
+        identity=identity or RunIdentity(pipeline=spec.name),
     )
 
 

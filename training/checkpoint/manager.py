@@ -78,7 +78,7 @@ class CheckpointManager:
 
     def _written(self, step: int, seconds: float) -> None:
         """From the writer: checkpoint `step` is committed, `seconds` after its write began."""
-        self.metrics.set(checkpoint_write_seconds=seconds)
+        self.metrics.set(checkpoint_write_seconds=seconds, last_checkpoint_timestamp_seconds=time.time())
         self.metrics.event("checkpoint_written", step, write_seconds=round(seconds, 3))
 
     def _full_state(self) -> tuple[dict, dict]:

@@ -18,7 +18,8 @@ from pydantic import Field
 from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
                                       EarlyStopSettings, ExecutionSettings, LoaderSettings, ModelSettings,
                                       MonitorSettings, NumClasses, NumericsSettings, OptimSettings, PositiveInt,
-                                      RecoverySettings, RehearsalSettings, ResourceSettings, RunSettings)
+                                      RecoverySettings, RehearsalSettings, ResourceSettings, RunSettings,
+                                      Section)
 from training.failure import ConfigFailure
 
 RUN_CONFIG_VERSION = 1
@@ -77,6 +78,19 @@ class CheckpointConfig(CheckpointSettings):
 # --- the run config --------------------------------------------------------------------------------
 
 
+class RunIdentity(Section):
+    """Which pipeline, run and try this process trains for: labels on its metrics."""
+
+    pipeline: str = ""
+    """The spec's name."""
+    run: str = ""
+    """The Airflow DAG run id."""
+    try_number: int = Field(1, ge=1)
+    """The train task's try."""
+    failures_before: dict[str, int] = {}
+    """Failed tries of this task before this one, by failure class."""
+
+
 class RunConfig(RunSettings):
     """Everything one training process needs, by section."""
 
@@ -110,6 +124,8 @@ class RunConfig(RunSettings):
     """Hang watchdog and metrics endpoint."""
     rehearsal: RehearsalSettings = RehearsalSettings()
     """Injected faults and step/time budgets."""
+    identity: RunIdentity = RunIdentity()
+    """The pipeline, run and try (metric labels)."""
 
     @classmethod
     def parse(cls, data: Any, *, source: str = "run config") -> RunConfig:

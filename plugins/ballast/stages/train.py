@@ -231,7 +231,18 @@ def _run_config(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: in
                       data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0,
                       faults=rehearsal_faults(ctx, steps_planned(ctx)),
                       epochs=ctx.round * spec.training.epochs_per_round if ctx.round else None,
-                      init_weights=_warm_start(ctx, ckpt_dir))
+                      init_weights=_warm_start(ctx, ckpt_dir), identity=_identity(ctx))
+
+
+def _identity(ctx: RunContext):
+    """Who this try trains for (its metrics' labels), and its task's failed tries before it by class."""
+    from training.config.run import RunIdentity
+
+    failed: dict[str, int] = {}
+    for a in history.load(ctx, ctx.task_id or "train").attempts:
+        if a.try_number < ctx.try_number and a.outcome == "failed":
+            failed[a.failure_class or "unknown"] = failed.get(a.failure_class or "unknown", 0) + 1
+    return RunIdentity(pipeline=ctx.spec.name, run=ctx.run_id, try_number=ctx.try_number, failures_before=failed)
 
 
 def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adapt.TrySettings) -> TrainResult:
@@ -260,12 +271,21 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
         ctx.log.info("%s", line)
         tail.append(line)
 
+    targets = None
+    if spec.execution.metrics_port is not None:  # Prometheus finds the ranks through this file
+        from ballast import prometheus_sd
+
+        targets = prometheus_sd.publish(pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id,
+                                        try_number=ctx.try_number, port=spec.execution.metrics_port,
+                                        ranks=spec.training.processes_per_node)
     handle = backend.start(launch)
     try:
         end = backend.wait(handle, on_line=on_line,
                            should_stop=(lambda: warmer.error and f"the cache warm-up failed ({warmer.error})")
                            if warmer else None)
     finally:
+        if targets is not None:
+            prometheus_sd.withdraw(targets)
         if warmer:
             warmer.join()
     if warmer and warmer.error:
