@@ -252,6 +252,12 @@ def test_with_s3_storage_a_node_pulls_and_pushes_checkpoints_and_its_record_come
     assert "resumed from" in log
     trained = ctx.result("train")
     assert trained.uploaded_checkpoints and Path(trained.last_checkpoint).name in committed
+    # The stability view reads only storage: the event log came back there, and it draws the curves.
+    from ballast.ui.summary import run_summary
+
+    view = run_summary(ctx.storage, ctx.dag_id, ctx.run_id)
+    assert view["records"]["states"]["train/metrics.jsonl"] == "ok" and view["curves"]["step"], view["records"]
+    assert view["recovery"]["failures_by_class"] == {"oom": 1}
     assert cluster.jobs() == [] and cluster.leftovers() == []
 
 

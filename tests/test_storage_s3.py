@@ -205,3 +205,37 @@ def test_errors_while_streaming_an_object_are_storage_errors(bucket):
     stream = _Stream(Body(), lambda exc: store._error("read from byte 0", "a.bin", exc))
     with pytest.raises(StorageError, match=rf"s3://{bucket}/p/a\.bin: read from byte 0 failed"):
         stream.read(10)
+
+
+def test_training_progress_reaches_s3_while_a_try_runs_and_when_it_ends(bucket, tmp_path):
+    """With S3 storage the trainers write their event log and heartbeat on the worker: they are copied
+    to the run's prefix while the try trains and once more at its end, where the stability view reads."""
+    import logging
+    import time
+
+    from ballast.context import RunContext
+    from ballast.outputs_sync import OutputsUpload
+    from ballast.spec import parse_spec
+    from ballast.ui.summary import run_summary
+    from helpers import example_data
+
+    d = example_data()
+    d["storage"]["uri"] = f"s3://{bucket}/store"
+    ctx = RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id="r2")
+    ctx.log = logging.getLogger("test")
+    out = tmp_path / "train"
+    out.mkdir()
+    (out / "heartbeat").write_text("10 1000.0\n")
+    (out / "metrics.jsonl").write_text('{"event": "step", "step": 10, "time": 1000.0, "rank": 0, "loss": 1.5}\n')
+    up = OutputsUpload(ctx, out, interval=0.2)
+    up.start()
+    deadline = time.monotonic() + 20
+    while not ctx.storage.exists("runs/ballast_digits/r2/train/heartbeat"):
+        assert time.monotonic() < deadline, "no progress copied while the try ran"
+        time.sleep(0.1)
+    with (out / "metrics.jsonl").open("a") as fh:
+        fh.write('{"event": "step", "step": 20, "time": 1010.0, "rank": 0, "loss": 0.5}\n')
+    up.finish()
+    view = run_summary(ctx.storage, "ballast_digits", "r2", now=1020.0)
+    assert view["curves"]["step"] == [10, 20], view["records"]
+    assert view["progress"]["step"] == 10

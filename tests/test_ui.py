@@ -241,6 +241,17 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
         assert all(v is not None for v in data["curves"]["learning_rate"] + data["curves"]["loss_scale"])
         assert _get(f"{base}/ballast/api/runs/{faulty_ctx.dag_id}/no_such_run", token)[0] == 404
         assert _get(f"{base}/ballast/api/runs/ballast_nope/{quote(faulty.run_id, safe='')}", token)[0] in (403, 404)
+        # Damaged records of a run show as such, never as a server error.
+        broken = demo_ctx.storage.local_path(f"runs/{demo_ctx.dag_id}/manual__broken")
+        (broken / "attempts").mkdir(parents=True)
+        (broken / "attempts" / "train.json").write_text("{broken")
+        (broken / "train").mkdir()
+        (broken / "train" / "metrics.jsonl").write_text('{"event": "step", "step": 10, "time": 1.0, "loss": 1}\n{"ev')
+        code, data = _get(f"{base}/ballast/api/runs/{demo_ctx.dag_id}/manual__broken", token)
+        assert code == 200, data
+        assert data["records"]["states"]["attempts/train.json"] == "corrupt"
+        assert data["records"]["states"]["train/metrics.jsonl"] == "partial" and data["curves"]["step"] == [10]
+        assert _get(f"{base}/ballast/runs/{demo_ctx.dag_id}/manual__broken", token)[0] == 200
         assert _get(f"{base}/ballast/static/stability.js")[0] == 401
         assert _get(f"{base}/ballast/static/../app.py", token)[0] == 404
 
@@ -281,6 +292,11 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
                 ec.presence_of_element_located((By.CSS_SELECTOR, "iframe"))))
             WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "app").get_attribute("data-state") == "rendered")
             assert {faulty_ctx.dag_id, demo_ctx.dag_id} <= set(browser.find_element(By.ID, "pipelines").text.split())
+            browser.switch_to.default_content()
+            browser.get(f"{base}/ballast/runs/{demo_ctx.dag_id}/manual__broken")  # the page itself, by cookie
+            WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "app").get_attribute("data-state") == "rendered")
+            notice = browser.find_element(By.ID, "record-states").text
+            assert "attempts/train.json corrupt" in notice and "train/metrics.jsonl partial" in notice, notice
         finally:
             browser.quit()
     assert (shots / f"{faulty_ctx.dag_id}.png").stat().st_size > 10_000

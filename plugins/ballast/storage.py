@@ -261,6 +261,12 @@ class _Stream:
     def close(self) -> None:
         self.body.close()
 
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _s3_connection_kwargs(conn_id: str | None) -> dict:
     """Endpoint and credentials from an Airflow connection, else boto3's standard environment chain."""

@@ -278,12 +278,20 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
         targets = prometheus_sd.publish(pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id,
                                         try_number=ctx.try_number, port=spec.execution.metrics_port,
                                         ranks=spec.training.processes_per_node)
+    uploader = None
+    if ctx.storage.local_path(ctx.run_key) is None:  # S3: the stability view reads progress from storage
+        from ballast.outputs_sync import OutputsUpload
+
+        uploader = OutputsUpload(ctx, out_dir)
+        uploader.start()
     handle = backend.start(launch)
     try:
         end = backend.wait(handle, on_line=on_line,
                            should_stop=(lambda: warmer.error and f"the cache warm-up failed ({warmer.error})")
                            if warmer else None)
     finally:
+        if uploader is not None:
+            uploader.finish()
         if targets is not None:
             prometheus_sd.withdraw(targets)
         if warmer:

@@ -48,6 +48,9 @@ def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: 
     hung = end.hung
     if not shared:
         _fetch_outputs(ctx, out_dir)
+        from ballast.outputs_sync import copy_outputs
+
+        copy_outputs(ctx, out_dir)  # where the stability view reads them
     if end.cancelled:
         raise Cancelled(f"training cancelled ({spec.execution.backend} job {launch.name}: {end.reason})")
     if end.ok:
