@@ -15,7 +15,8 @@ PREFIX = "runs/ballast_demo/manual__2026-12-04T10_00_00_00_00"
 
 
 def _attempt(n: int, **kw) -> Attempt:
-    base = dict(try_number=n, outcome="success", host="vm", started=1000.0 * n, ended=1000.0 * n + 100, first_step_at=None,
+    base = dict(try_number=n, outcome="success", host="vm", started=1000.0 * n, ended=1000.0 * n + 100,
+                first_step_at=1000.0 * n + 5,
                 step_reached=50, settings={"micro_batch_size": 32}, adaptation=[])
     return Attempt(**{**base, **kw})
 
@@ -30,7 +31,7 @@ def _records(root: Path) -> AttemptHistory:
     history = AttemptHistory(task_id="train", attempts=[
         _attempt(1, outcome="failed", failure_class="oom", reason="out of memory at step 30", host="node-3",
                  ended=1090.0, step_reached=30, last_commit_step=20, restart_seconds=0.0, lost_seconds=8.0),
-        _attempt(2, started=1100.0, ended=1200.0, resumed_step=20, restart_seconds=4.0, lost_seconds=6.5,
+        _attempt(2, started=1100.0, ended=1200.0, first_step_at=1104.0, resumed_step=20, restart_seconds=4.0, lost_seconds=6.5,
                  group_restarts=1, group_restart_lost_seconds=2.5,
                  adaptation=["out of memory in try 1: micro-batch 32 -> 16 (gradient accumulation keeps the global batch)"],
                  settings={"micro_batch_size": 16})])
@@ -60,8 +61,9 @@ def test_the_run_summary_reads_the_records_and_adds_up_the_time(tmp_path):
     rec = s["recovery"]
     assert rec["effective_ratio"] == expected.effective_ratio and rec["tries"] == 2
     assert rec["failures_by_class"] == {"oom": 1} and rec["group_restarts"] == 1
-    assert rec["lost_by_cause"] == {"restart of a new try": 4.0, "in-try group restarts": 2.5,
-                                    "work since the last checkpoint": 8.0, "waiting for the retry": 10.0}
+    assert rec["lost_by_cause"] == {"restart of a new try": 4.0, "tries that never reached a step": 0.0,
+                                    "in-try group restarts": 2.5, "work since the last checkpoint": 8.0,
+                                    "waiting for the retry": 10.0}
     assert rec["lost_by_class"] == {"oom": 8.0}
     t1, t2 = s["tries"]
     assert (t1["outcome"], t1["failure_class"], t1["host"]) == ("failed", "oom", "node-3")
@@ -78,6 +80,34 @@ def test_the_run_summary_reads_the_records_and_adds_up_the_time(tmp_path):
     assert s["status"] == "running or stopped" and s["model"] is None
     assert s["records"]["states"]["report.json"] == "missing"
     assert s["records"]["states"]["attempts/train.json"] == "ok"
+
+
+@pytest.mark.unit
+def test_resumed_steps_odd_events_and_rounds(tmp_path):
+    """A resumed try logs the steps after its checkpoint again: one point per step, in order, and the
+    rate from the last resume on. Events that are not objects with a step and a time are bad lines.
+    A pipeline that trains in rounds has one attempt history per round: the view joins them."""
+    from ballast.ui.summary import run_summary
+
+    history = _records(tmp_path)
+    events = [{"event": "step", "time": 1000.0 + s, "step": s, "rank": 0, "loss": 1.0} for s in (10, 20, 30, 40)]
+    events += [{"event": "resume", "time": 1100.0, "step": 20, "rank": 0}]
+    events += [{"event": "step", "time": 1100.0 + 2 * s, "step": s, "rank": 0, "loss": 0.5} for s in (30, 40, 50)]
+    lines = [json.dumps(e) for e in events] + ["5", "[]", '{"event": "step", "step": 60}',
+                                               '{"event": "step", "step": 70, "time": 1210.0, "loss": NaN}']
+    _write(tmp_path, "train/metrics.jsonl", "\n".join(lines) + "\n")
+    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    assert s["curves"]["step"] == [10, 20, 30, 40, 50, 70] and s["curves"]["loss"][2] == 0.5
+    assert s["curves"]["loss"][-1] is None  # NaN is no number the page can draw
+    assert s["records"]["states"]["train/metrics.jsonl"] == "partial"  # 3 bad lines
+    assert s["progress"]["steps_per_second"] is not None and s["progress"]["steps_per_second"] > 0
+    json.dumps(s, allow_nan=False)  # what the API's encoder accepts
+    round2 = AttemptHistory(task_id="round_2.train", attempts=[_attempt(3, started=3000.0, ended=3100.0)])
+    (tmp_path / PREFIX / "attempts" / "train.json").rename(tmp_path / PREFIX / "attempts" / "round_1.train.json")
+    _write(tmp_path, "attempts/round_2.train.json", round2.model_dump_json())
+    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=3200.0)
+    assert [t["try"] for t in s["tries"]] == [1, 2, 3]
+    assert s["recovery"]["tries"] == 3 == RecoverySummary.of([history, round2]).tries
 
 
 @pytest.mark.unit

@@ -49,13 +49,23 @@ def compose(spec, event: str, stage: str, context: Any) -> dict[str, Any]:
     dag_id, run_id = ti.dag_id, context["run_id"]
     exc = context.get("exception")
     cls = failure_class(_ballast_cause(exc)) if isinstance(exc, BaseException) else None
-    reason = " ".join(str(exc).split())[:2000] if exc is not None else None
+    reason = _redact(" ".join(str(exc).split())[:2000]) if exc is not None else None
     adaptation = _next_adaptation(spec, dag_id, run_id, ti.task_id) if event == "retry" and stage == "train" else []
     return {
         "event": event, "pipeline": spec.name, "dag_id": dag_id, "run_id": run_id, "task_id": ti.task_id,
         "stage": stage, "try_number": ti.try_number, "max_tries": getattr(ti, "max_tries", None),
         "failure_class": cls, "reason": reason, "adaptation": adaptation, "view": view_url(dag_id, run_id),
     }
+
+
+def _redact(text: str) -> str:
+    """What Airflow masks in logs (connection passwords, secret variables) masked here too: the message
+    leaves Airflow."""
+    try:
+        from airflow.sdk.log import redact
+    except ImportError:  # pragma: no cover
+        return text
+    return str(redact(text))
 
 
 def _ballast_cause(exc: BaseException) -> BaseException:

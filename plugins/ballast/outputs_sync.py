@@ -42,6 +42,7 @@ class OutputsUpload(threading.Thread):
         super().__init__(name="outputs-upload", daemon=True)
         self.ctx, self.out_dir, self.interval = ctx, Path(out_dir), interval
         self._done = threading.Event()
+        self._lock = threading.Lock()  # one copy at a time: the final one is never overtaken by an older
 
     def run(self) -> None:
         while not self._done.wait(self.interval):
@@ -53,4 +54,5 @@ class OutputsUpload(threading.Thread):
         self._once()
 
     def _once(self) -> None:
-        copy_outputs(self.ctx, self.out_dir)
+        with self._lock:
+            copy_outputs(self.ctx, self.out_dir)

@@ -271,21 +271,15 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
         ctx.log.info("%s", line)
         tail.append(line)
 
-    targets = None
-    if spec.execution.metrics_port is not None:  # Prometheus finds the ranks through this file
-        from ballast import prometheus_sd
-
-        targets = prometheus_sd.publish(pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id,
-                                        try_number=ctx.try_number, port=spec.execution.metrics_port,
-                                        ranks=spec.training.processes_per_node)
-    uploader = None
-    if ctx.storage.local_path(ctx.run_key) is None:  # S3: the stability view reads progress from storage
-        from ballast.outputs_sync import OutputsUpload
-
-        uploader = OutputsUpload(ctx, out_dir)
-        uploader.start()
-    handle = backend.start(launch)
+    targets = uploader = None
     try:
+        targets = _publish_targets(ctx)
+        if ctx.storage.local_path(ctx.run_key) is None:  # S3: the stability view reads progress from storage
+            from ballast.outputs_sync import OutputsUpload
+
+            uploader = OutputsUpload(ctx, out_dir)
+            uploader.start()
+        handle = backend.start(launch)
         end = backend.wait(handle, on_line=on_line,
                            should_stop=(lambda: warmer.error and f"the cache warm-up failed ({warmer.error})")
                            if warmer else None)
@@ -293,6 +287,8 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
         if uploader is not None:
             uploader.finish()
         if targets is not None:
+            from ballast import prometheus_sd
+
             prometheus_sd.withdraw(targets)
         if warmer:
             warmer.join()
@@ -302,6 +298,23 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
         raise failure(spec, end.exit_code, read_record(out_dir), "\n".join(tail), hung=end.hung,
                       cancelled=end.cancelled)
     return result(ctx, cfg, out_dir, ckpt_dir, uploaded=upload_checkpoints(ctx, ckpt_dir))
+
+
+def _publish_targets(ctx: RunContext) -> Path | None:
+    """With execution.metrics_port, this try's rank endpoints in Prometheus' discovery directory (a
+    failure to write them is a warning: training does not depend on being watched)."""
+    spec = ctx.spec
+    if spec.execution.metrics_port is None:
+        return None
+    from ballast import prometheus_sd
+
+    try:
+        return prometheus_sd.publish(pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id,
+                                     try_number=ctx.try_number, port=spec.execution.metrics_port,
+                                     ranks=spec.training.processes_per_node)
+    except OSError as exc:
+        ctx.log.warning("could not list the ranks for Prometheus in %s: %s", prometheus_sd.sd_dir(), exc)
+        return None
 
 
 def result(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, *, uploaded: list[str]) -> TrainResult:

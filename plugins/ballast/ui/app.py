@@ -24,15 +24,17 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.core_api.security import GetUserDep, get_user, requires_access_dag
+from ballast.errors import StorageError
 from ballast.ui import summary
 from ballast.ui.pipelines import Catalog
 
 STATIC = Path(__file__).parent / "static"
 LIVE_SECONDS = 5.0
+PIPELINE_SECONDS = 30.0  # the pipeline page reads every run's attempt history: kept longer
 CACHED_RUNS = 256
 READ_RUNS = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
 
@@ -42,14 +44,14 @@ class _Cache:
         self._items: OrderedDict[tuple, tuple[float | None, Any]] = OrderedDict()
         self._size, self._lock = size, threading.Lock()
 
-    def get(self, key: tuple, make, *, final) -> Any:
+    def get(self, key: tuple, make, *, final, ttl: float = LIVE_SECONDS) -> Any:
         with self._lock:
             hit = self._items.get(key)
             if hit is not None and (hit[0] is None or hit[0] > time.monotonic()):
                 self._items.move_to_end(key)
                 return hit[1]
         value = make()
-        expires = None if final(value) else time.monotonic() + LIVE_SECONDS
+        expires = None if final(value) else time.monotonic() + ttl
         with self._lock:
             self._items[key] = (expires, value)
             self._items.move_to_end(key)
@@ -90,7 +92,8 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
     @app.get("/api/pipelines/{dag_id}", dependencies=[READ_RUNS])
     def pipeline_json(dag_id: str) -> dict:
         storage = storage_of(dag_id)
-        return cache.get(("pipeline", dag_id), lambda: summary.pipeline_summary(storage, dag_id), final=lambda d: False)
+        return cache.get(("pipeline", dag_id), lambda: summary.pipeline_summary(storage, dag_id), final=lambda d: False,
+                         ttl=PIPELINE_SECONDS)
 
     @app.get("/api/runs/{dag_id}/{run_id}", dependencies=[READ_RUNS])
     def run_json(dag_id: str, run_id: str) -> dict:
@@ -100,13 +103,15 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
     def data_docs(dag_id: str, run_id: str, path: str) -> Response:
         storage = storage_of(dag_id)
         rel = PurePosixPath(path)
-        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts or "\\" in path:
             raise HTTPException(404, "no such Data Docs page")
         key = f"{summary.run_prefix(dag_id, run_id)}/data_docs/{rel}"
         if not storage.exists(key):
             raise HTTPException(404, f"no Data Docs page {path!r} for this run")
         kind = mimetypes.guess_type(rel.name)[0] or "application/octet-stream"
-        return Response(storage.read_bytes(key), media_type=kind)
+        # Rendered from data: its scripts run in a sandbox of their own origin, never as the viewer.
+        return Response(storage.read_bytes(key), media_type=kind,
+                        headers={"Content-Security-Policy": "sandbox allow-scripts", "X-Content-Type-Options": "nosniff"})
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=[READ_RUNS])
     def run_page(request: Request, dag_id: str, run_id: str) -> HTMLResponse:
@@ -120,12 +125,12 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
     def pipeline_page(request: Request, dag_id: str) -> HTMLResponse:
         storage_of(dag_id)
         return _page(request, "pipeline", dag_id, api=_url(request, "pipeline_json", dag_id=dag_id),
-                     runs=_url(request, "run_page", dag_id=dag_id, run_id="RUN"), dag_id=dag_id)
+                     runs=_url(request, "run_page", dag_id=dag_id, run_id="~RUN~"), dag_id=dag_id)
 
     @app.get("/", response_class=HTMLResponse)
     def overview(request: Request) -> HTMLResponse:
         return _page(request, "overview", "Ballast pipelines", api=_url(request, "pipelines"),
-                     pipeline=_url(request, "pipeline_page", dag_id="DAG"))
+                     pipeline=_url(request, "pipeline_page", dag_id="~DAG~"))
 
     @app.get("/static/{name:path}")
     def static(name: str) -> Response:
@@ -134,6 +139,10 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
             raise HTTPException(404, "no such file")
         kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return Response(path.read_bytes(), media_type=kind, headers={"Cache-Control": "private, max-age=3600"})
+
+    @app.exception_handler(StorageError)
+    def _storage_error(request: Request, exc: StorageError) -> Response:
+        return JSONResponse({"detail": f"the pipeline's storage could not be read: {exc}"}, status_code=503)
 
     return app
 

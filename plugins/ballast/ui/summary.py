@@ -92,9 +92,14 @@ class Reader:
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                event = json.loads(line)
             except ValueError:
                 bad += 1  # a line being written, or damage
+                continue
+            if not (isinstance(event, dict) and _number(event.get("step")) and _number(event.get("time"))):
+                bad += 1
+                continue
+            out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()})
         if bad:
             self.states[name] = "partial"
             self.problems[name] = f"{bad} unreadable line(s) skipped"
@@ -116,10 +121,10 @@ def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None
     validate = r.record("stages/validate.json", ValidateResult)
     convert = r.record("stages/convert.json", ConvertResult)
     warm = r.record("stages/warm_cache.json", WarmCacheResult)
-    train = r.record("stages/train.json", TrainResult)
-    verify = r.record("stages/verify_checkpoint.json", VerifyResult)
+    train = r.record(_last_round(storage, prefix, "train"), TrainResult)
+    verify = r.record(_last_round(storage, prefix, "verify_checkpoint"), VerifyResult)
     publish = r.record("stages/publish.json", PublishResult)
-    history = r.record(f"attempts/{TRAIN_TASKS}.json", AttemptHistory)
+    history = _history(r, storage, prefix)
     events = r.jsonl("train/metrics.jsonl")
     heartbeat = _heartbeat(r.raw("train/heartbeat", 256))
     effective = r.record("spec.json", EffectiveSpec)
@@ -153,10 +158,11 @@ def pipeline_summary(storage: Storage, dag_id: str, *, limit: int = 200) -> dict
     rows, histories = [], []
     for run in sorted(runs)[-limit:]:
         r = Reader(storage, f"runs/{dag_id}/{run}")
-        history = r.record(f"attempts/{TRAIN_TASKS}.json", AttemptHistory)
+        history = _history(r, storage, f"runs/{dag_id}/{run}")
         report = r.raw("report.json", 64)  # only whether it exists
         if history is None:
-            rows.append({"run": run, "state": r.states.get(f"attempts/{TRAIN_TASKS}.json"), "finished": report is not None})
+            state = next((v for k, v in r.states.items() if k.startswith("attempts/")), "missing")
+            rows.append({"run": run, "state": state, "finished": report is not None})
             continue
         histories.append(history)
         rec = RecoverySummary.of([history])
@@ -164,6 +170,7 @@ def pipeline_summary(storage: Storage, dag_id: str, *, limit: int = 200) -> dict
         rows.append({"run": run, "state": "ok", "finished": report is not None, "started": first,
                      "ratio": rec.effective_ratio, "tries": rec.tries, "failures": rec.failures_by_class,
                      "group_restarts": rec.group_restarts, "wall_seconds": rec.wall_seconds})
+    rows.sort(key=lambda row: (row.get("started") is None, row.get("started") or 0.0, row["run"]))
     total = RecoverySummary.of(histories)
     by_class: dict[str, int] = {}
     for row in rows:
@@ -184,10 +191,12 @@ def _recovery(history: AttemptHistory | None, *, now: float | None) -> dict[str,
         last = attempts[-1].model_copy(update={"ended": now})
         history = history.model_copy(update={"attempts": [*attempts[:-1], last]})
     s = RecoverySummary.of([history])
-    restart = sum(a.restart_seconds for a in history.attempts)
-    group = sum(a.group_restart_lost_seconds for a in history.attempts)
-    work = max(0.0, s.lost_seconds - restart - group)
-    lost = {"restart of a new try": restart, "in-try group restarts": group,
+    stepped = [a for a in history.attempts if a.first_step_at is not None]
+    never = sum(a.lost_seconds for a in history.attempts if a.first_step_at is None)
+    restart = sum(a.restart_seconds for a in stepped)
+    group = sum(a.group_restart_lost_seconds for a in stepped)
+    work = max(0.0, s.lost_seconds - never - restart - group)
+    lost = {"restart of a new try": restart, "tries that never reached a step": never, "in-try group restarts": group,
             "work since the last checkpoint": work, "waiting for the retry": s.retry_wait_seconds}
     by_class: dict[str, float] = {}
     for a in history.attempts:
@@ -230,8 +239,18 @@ def _checkpoints(storage: Storage, prefix: str, verify: VerifyResult | None) -> 
     return {"committed": sorted(committed), "verified": verified, "quarantined": sorted(quarantined)}
 
 
+def _steps(events: list[dict]) -> list[dict]:
+    """Rank 0's step events, the last one of each step (a resumed try logs the steps after its
+    checkpoint again), in step order."""
+    last: dict[int, dict] = {}
+    for e in events:
+        if e.get("event") == "step" and e.get("rank", 0) == 0:
+            last[e["step"]] = e
+    return [last[k] for k in sorted(last)]
+
+
 def _curves(events: list[dict]) -> dict[str, Any]:
-    steps = [e for e in events if e.get("event") == "step" and e.get("rank", 0) == 0]
+    steps = _steps(events)
     spikes: dict[tuple, dict] = {}  # every rank logs an anomaly it sees: one mark per step and kind
     for e in events:
         if e.get("event") == "anomaly":
@@ -270,9 +289,10 @@ def _progress(events: list[dict], heartbeat: tuple[int, float] | None, history: 
         step = heartbeat[0]
     else:
         step = max((e.get("step", 0) for e in events if e.get("event") == "step"), default=0)
-    recent = [e for e in events if e.get("event") == "step"][-20:]
+    since = max((i for i, e in enumerate(events) if e.get("event") == "resume"), default=-1)
+    recent = [e for e in events[since + 1:] if e.get("event") == "step" and e.get("rank", 0) == 0][-20:]
     rate = None
-    if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"]:
+    if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"] and recent[-1]["step"] > recent[0]["step"]:
         rate = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
     batch = (spec or {}).get("training", {}).get("global_batch_size")
     current = history.attempts[-1] if history and history.attempts else None
@@ -327,9 +347,39 @@ def _planned_steps(convert: ConvertResult | None, spec: dict | None) -> int | No
 def _heartbeat(data: bytes | None) -> tuple[int, float] | None:
     try:
         step, at = (data or b"").split()[:2]
-        return int(step), float(at)
+        step_, at_ = int(step), float(at)
     except ValueError:
         return None
+    return (step_, at_) if math.isfinite(at_) else None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _last_round(storage: Storage, prefix: str, stage: str) -> str:
+    """`stages/<stage>.json`, or in a pipeline that trains in rounds the last round's record."""
+    rounds = []
+    for key in storage.list(f"{prefix}/stages/round_"):
+        name = key.rsplit("/", 1)[-1]
+        head, _, rest = name.partition(".")
+        if rest == f"{stage}.json" and head.removeprefix("round_").isdigit():
+            rounds.append(int(head.removeprefix("round_")))
+    return f"stages/round_{max(rounds)}.{stage}.json" if rounds else f"stages/{stage}.json"
+
+
+def _history(r: Reader, storage: Storage, prefix: str) -> AttemptHistory | None:
+    """Every training task's tries as one history, oldest first (one task, or one per round)."""
+    names = sorted(key[len(prefix) + 1:] for key in storage.list(f"{prefix}/attempts/") if key.endswith(".json"))
+    names = [n for n in names if n.rsplit("/", 1)[-1].removesuffix(".json").split(".")[-1] == TRAIN_TASKS]
+    if not names:
+        r.states[f"attempts/{TRAIN_TASKS}.json"] = "missing"
+        return None
+    histories = [h for h in (r.record(n, AttemptHistory) for n in names) if h is not None]
+    if not histories:
+        return None
+    attempts = sorted((a for h in histories for a in h.attempts), key=lambda a: a.started)
+    return AttemptHistory(task_id=histories[0].task_id if len(histories) == 1 else TRAIN_TASKS, attempts=attempts)
 
 
 def _finite(v: Any) -> float | None:

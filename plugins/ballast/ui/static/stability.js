@@ -152,7 +152,7 @@
     const charts = el("div", { class: "charts", id: "charts" });
     parts.push(el("h2", {}, "Across runs"), charts);
     parts.push(el("h2", {}, "Runs"), table("runs", ["run", "ratio", "tries", "failures", "wall"], rows.map((r) => [
-      el("td", {}, el("a", { href: config.runs.replace("RUN", encodeURIComponent(r.run)) }, r.run)),
+      el("td", {}, el("a", { href: config.runs.replace("~RUN~", encodeURIComponent(r.run)) }, r.run)),
       r.state === "ok" ? fmt.pct(r.ratio) : r.state || "no attempts", r.tries ?? "", Object.entries(r.failures || {}).map(([k, v]) => k + " " + v).join(", "),
       fmt.s(r.wall_seconds)])));
     app.replaceChildren(...parts);
@@ -169,7 +169,7 @@
   function overview(d) {
     app.replaceChildren(el("h1", {}, "Ballast pipelines"), d.pipelines.length
       ? table("pipelines", ["pipeline", "DAG", "storage"], d.pipelines.map((p) => [
-        el("td", {}, el("a", { href: config.pipeline.replace("DAG", encodeURIComponent(p.dag_id)) }, p.name)), p.dag_id, p.storage]))
+        el("td", {}, el("a", { href: config.pipeline.replace("~DAG~", encodeURIComponent(p.dag_id)) }, p.name)), p.dag_id, p.storage]))
       : el("p", { class: "muted" }, "No pipeline you can read."));
   }
 
