@@ -144,11 +144,11 @@ def test_corrupt_records_show_as_such(tmp_path, damage, state, problem):
 
 @pytest.mark.unit
 def test_a_run_with_no_records_is_none_and_bounded_reads_say_partial(tmp_path, monkeypatch):
-    from ballast.ui import summary
+    from ballast.ui import reader, summary
 
     assert summary.run_summary(LocalStorage(tmp_path), "ballast_demo", RUN) is None
     _records(tmp_path)
-    monkeypatch.setattr(summary, "MAX_EVENTS_BYTES", 300)
+    monkeypatch.setattr(reader, "MAX_EVENTS_BYTES", 300)
     s = summary.run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
     assert s["records"]["states"]["train/metrics.jsonl"] == "partial"
     assert "last" in s["records"]["problems"]["train/metrics.jsonl"]

@@ -59,7 +59,6 @@ class Trainer:
         self._started = time.monotonic()
         self.limit_reached = False
         self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.execution.metrics_port, identity=cfg.identity)
-        self.metrics.set(checkpoint_interval_seconds=cfg.checkpoint.every_seconds)
         self.faults = Injector(load_faults(cfg.rehearsal.faults), rank=self.rank, out_dir=self.out,
                                checkpoint_dir=Path(cfg.checkpoint.directory))
 

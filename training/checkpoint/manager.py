@@ -34,6 +34,7 @@ class CheckpointManager:
         self.state, self.states, self.model_section, self.parallelism = state, states, model_section, parallelism
         self.sharded = parallelism == "fsdp" and dist.enabled  # FSDP state is gathered, not replicated
         self.metrics, self.log = metrics, log
+        metrics.set(checkpoint_interval_seconds=cfg.every_seconds)  # the stale-checkpoint alert's bound
         self.snapshot = Snapshot(pin=dist.device.type == "cuda")
         self.saver = AsyncSaver(self.root, rank=dist.rank, barrier=dist.ckpt_barrier,
                                 idle=cfg.writer_priority == "idle", on_written=self._written,

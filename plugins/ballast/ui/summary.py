@@ -5,21 +5,17 @@ history, the trainer's event log (`train/metrics.jsonl`), the heartbeat, the che
 report. Never from Airflow's metadata database. Each record is read at most `MAX_RECORD_BYTES` (the
 event log: its last `MAX_EVENTS_BYTES`), and each is reported with its state: `ok`, `missing` (not
 written yet, or never), `partial` (the run is still going, or a line was cut) or `corrupt` (not what the
-record's model accepts). A bad record shows as such on the page; it never fails the whole summary.
+record's model accepts; `ballast.ui.reader`). A bad record shows as such on the page; it never fails the whole summary.
 
 Pure functions of a `Storage` and a clock: the app (`ballast.ui.app`) caches their results.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
-
-from pydantic import BaseModel, ValidationError
 
 from ballast.context import safe_run_id
 from ballast.records import (
@@ -35,75 +31,10 @@ from ballast.records import (
     WarmCacheResult,
 )
 from ballast.storage import Storage
+from ballast.ui.reader import Reader
 
-MAX_RECORD_BYTES = 4 << 20
-MAX_EVENTS_BYTES = 16 << 20
 MAX_POINTS = 2000  # per curve: longer runs are thinned evenly (spikes are always kept)
 TRAIN_TASKS = "train"
-
-
-@dataclass
-class Reader:
-    """Bounded, typed reads of one run's records, noting each one's state."""
-
-    storage: Storage
-    prefix: str
-    states: dict[str, str] = field(default_factory=dict)
-    problems: dict[str, str] = field(default_factory=dict)
-
-    def raw(self, name: str, limit: int | None = None) -> bytes | None:
-        key, limit = f"{self.prefix}/{name}", limit or MAX_RECORD_BYTES
-        try:
-            if not self.storage.exists(key):
-                self.states[name] = "missing"
-                return None
-            size = self.storage.size(key)
-            with self.storage.open_read(key, max(0, size - limit)) as fh:
-                data = fh.read(limit)
-        except Exception as exc:  # noqa: BLE001  (a storage error is this record's state, not the page's)
-            self.states[name], self.problems[name] = "corrupt", f"could not be read: {exc}"
-            return None
-        self.states[name] = "ok" if size <= limit else "partial"
-        if size > limit:
-            self.problems[name] = f"only its last {_size(limit)} of {_size(size)} read"
-        return data
-
-    def record(self, name: str, model: type[BaseModel]) -> Any:
-        data = self.raw(name)
-        if data is None:
-            return None
-        try:
-            return model.model_validate_json(data)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(top)"
-            self.states[name], self.problems[name] = "corrupt", f"{where}: {first['msg']}"
-            return None
-
-    def jsonl(self, name: str) -> list[dict]:
-        data = self.raw(name, MAX_EVENTS_BYTES)
-        if data is None:
-            return []
-        lines = data.split(b"\n")
-        if self.states[name] == "partial":
-            lines = lines[1:]  # the first line was cut by the bounded read
-        out, bad = [], 0
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line)
-            except ValueError:
-                bad += 1  # a line being written, or damage
-                continue
-            if not (isinstance(event, dict) and _number(event.get("step")) and _number(event.get("time"))):
-                bad += 1
-                continue
-            out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()})
-        if bad:
-            self.states[name] = "partial"
-            self.problems[name] = f"{bad} unreadable line(s) skipped"
-        return out
 
 
 def run_prefix(dag_id: str, run_id: str) -> str:
@@ -353,10 +284,6 @@ def _heartbeat(data: bytes | None) -> tuple[int, float] | None:
     return (step_, at_) if math.isfinite(at_) else None
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _last_round(storage: Storage, prefix: str, stage: str) -> str:
     """`stages/<stage>.json`, or in a pipeline that trains in rounds the last round's record."""
     rounds = []
@@ -390,10 +317,6 @@ def _thin(n: int, most: int) -> list[int]:
     if n <= most:
         return list(range(n))
     return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def _first(it):

@@ -1,0 +1,92 @@
+"""Bounded, typed reads of one run's records (`ballast.ui.summary` reads through it).
+
+Each record is read at most `MAX_RECORD_BYTES` (an event log: its last `MAX_EVENTS_BYTES`) and gets a
+state: `ok`, `missing`, `partial` (cut by the bound, or a line being written) or `corrupt` (not what its
+model accepts, or unreadable), with the problem in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from ballast.storage import Storage
+
+MAX_RECORD_BYTES = 4 << 20
+MAX_EVENTS_BYTES = 16 << 20
+
+
+@dataclass
+class Reader:
+    """Bounded, typed reads of one run's records, noting each one's state."""
+
+    storage: Storage
+    prefix: str
+    states: dict[str, str] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+
+    def raw(self, name: str, limit: int | None = None) -> bytes | None:
+        key, limit = f"{self.prefix}/{name}", limit or MAX_RECORD_BYTES
+        try:
+            if not self.storage.exists(key):
+                self.states[name] = "missing"
+                return None
+            size = self.storage.size(key)
+            with self.storage.open_read(key, max(0, size - limit)) as fh:
+                data = fh.read(limit)
+        except Exception as exc:  # noqa: BLE001  (a storage error is this record's state, not the page's)
+            self.states[name], self.problems[name] = "corrupt", f"could not be read: {exc}"
+            return None
+        self.states[name] = "ok" if size <= limit else "partial"
+        if size > limit:
+            self.problems[name] = f"only its last {_size(limit)} of {_size(size)} read"
+        return data
+
+    def record(self, name: str, model: type[BaseModel]) -> Any:
+        data = self.raw(name)
+        if data is None:
+            return None
+        try:
+            return model.model_validate_json(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(top)"
+            self.states[name], self.problems[name] = "corrupt", f"{where}: {first['msg']}"
+            return None
+
+    def jsonl(self, name: str) -> list[dict]:
+        data = self.raw(name, MAX_EVENTS_BYTES)
+        if data is None:
+            return []
+        lines = data.split(b"\n")
+        if self.states[name] == "partial":
+            lines = lines[1:]  # the first line was cut by the bounded read
+        out, bad = [], 0
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                bad += 1  # a line being written, or damage
+                continue
+            if not (isinstance(event, dict) and _number(event.get("step")) and _number(event.get("time"))):
+                bad += 1
+                continue
+            out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()})
+        if bad:
+            self.states[name] = "partial"
+            self.problems[name] = f"{bad} unreadable line(s) skipped"
+        return out
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
