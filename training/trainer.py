@@ -283,9 +283,10 @@ class Trainer:
         step = self.step
         self.supervision.heartbeat(force=False)
         self.metrics.phases(data=t1 - t0, compute=t2 - t1, communication_optimizer=t3 - t2)
-        self.metrics.set(step=step, loss=loss, grad_norm=gnorm, loss_scale=self.scaler.get_scale(),
-                         learning_rate=self.opt.param_groups[0]["lr"], last_step_timestamp_seconds=time.time(),
-                         samples_per_second=self.cfg.batch.per_process * self.dist.world / max(t3 - t0, 1e-9))
+        lr, scale = self.opt.param_groups[0]["lr"], self.scaler.get_scale()  # once: the gauges and the event
+        sps = self.cfg.batch.per_process * self.dist.world / max(t3 - t0, 1e-9)
+        self.metrics.set(step=step, loss=loss, grad_norm=gnorm, loss_scale=scale, learning_rate=lr,
+                         last_step_timestamp_seconds=time.time(), samples_per_second=sps)
         if self._first_step:
             self._first_step = False
             self.metrics.event("first_step", step)
@@ -293,9 +294,9 @@ class Trainer:
             self.metrics.event("first_step_after_resume", step, seconds=time.monotonic() - self._resumed_at)
             self._resumed_at = None
         if step % 10 == 0:
-            self.metrics.event("step", step, epoch=self.state.epoch, loss=loss, grad_norm=gnorm,
-                               lr=self.opt.param_groups[0]["lr"], loss_scale=self.scaler.get_scale(),
-                               data_s=round(t1 - t0, 6), compute_s=round(t2 - t1, 6), comm_opt_s=round(t3 - t2, 6))
+            self.metrics.event("step", step, epoch=self.state.epoch, loss=loss, grad_norm=gnorm, lr=lr,
+                               loss_scale=scale, data_s=round(t1 - t0, 6), compute_s=round(t2 - t1, 6),
+                               comm_opt_s=round(t3 - t2, 6))
 
     def _diverged(self, gnorm: float) -> None:
         """Non-finite loss or gradients on some rank: keep the last good state and skip the batch next time."""
