@@ -192,7 +192,8 @@ def test_a_failed_node_is_excluded_next_try_and_a_killed_rank_resumes_from_stora
     dr, ctx = run_spec_dag(tmp_path, edit, conf={"rehearsal": True}, name="slurm_recovery")
     assert str(dr.state) == "success"
     tries = history.load(ctx, "train").attempts
-    assert [(a.outcome, a.failure_class) for a in tries] == [("failed", "hardware"), ("success", None)]
+    assert [(a.outcome, a.failure_class) for a in tries] == [("failed", "hardware"), ("success", None)], \
+        [a.reason for a in tries]
     bad = tries[0].host
     assert re.fullmatch(r"n[1-3]", bad), bad  # the Slurm node the failing rank ran on
     assert tries[1].settings["avoid_hosts"] == [bad]
