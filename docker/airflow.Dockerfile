@@ -16,7 +16,7 @@ WORKDIR /opt/ballast-src
 COPY pyproject.toml constraints.txt README.md ./
 COPY plugins/ballast/__init__.py plugins/ballast/__init__.py
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt \
-        "torch==2.13.0" ".[postgres]" && pip uninstall -y ballast
+        "torch==2.13.0" ".[postgres,celery]" && pip uninstall -y ballast
 COPY . .
 RUN pip install --no-deps -e . && useradd --create-home --uid 50000 airflow \
     && mkdir -p "$AIRFLOW_HOME" "$BALLAST_HOME" && chown -R airflow "$AIRFLOW_HOME" "$BALLAST_HOME"

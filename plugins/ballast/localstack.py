@@ -1,6 +1,8 @@
 """The full local Airflow stack on the embedded default: API server (with the UI), scheduler and DAG
 processor as three processes on SQLite with the LocalExecutor. Used by `ballast ui` and by the tests
-that trigger runs through the real REST API.
+that trigger runs through the real REST API. The same class runs the production path's shape for the
+tests: `extra_env` points the metadata database at PostgreSQL and the executor at Celery, and
+`celery_workers` starts that many `airflow celery worker` processes beside the three.
 
 Each Airflow process leads its own process group (so a terminal's Ctrl-C reaches `ballast ui` alone,
 which then stops them in order); `stop` signals each whole group, so their own children (API server
@@ -24,19 +26,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ballast.localrun import configure_env, migrate_db
+from ballast.localrun import configure_env
 
 
 class LocalStack:
     def __init__(self, port: int = 8080, *, log_dir: Path | None = None, extra_env: dict[str, str] | None = None,
                  airflow: list[str] | None = None, bind_to_parent: bool = False,
-                 users: dict[str, tuple[str, str]] | None = None):
+                 users: dict[str, tuple[str, str]] | None = None, celery_workers: int = 0):
         """`airflow`: the command that runs Airflow (default this interpreter's `-m airflow`; a test may
         put a stand-in there). `bind_to_parent`: Airflow's processes get SIGTERM when this process dies;
         only for a caller that starts and waits on one thread (the parent-death signal follows the
         thread that started the process: see training.parentdeath). `users`: name -> (role, password)
         for the simple auth manager, instead of everyone an admin with no login (the first is the
-        one `request` logs in as)."""
+        one `request` logs in as). `celery_workers`: Celery workers to start (with an executor and broker
+        set in `extra_env`), each with one slot and its own hostname."""
         configure_env()
         self.airflow = list(airflow) if airflow else [sys.executable, "-m", "airflow"]
         self.bind_to_parent = bind_to_parent
@@ -66,6 +69,7 @@ class LocalStack:
                 "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
             })
         self.env.update(extra_env or {})
+        self.celery_workers = celery_workers
         self.procs: list[subprocess.Popen] = []
         self.names: dict[int, str] = {}
         self._token: str | None = None
@@ -78,19 +82,20 @@ class LocalStack:
             raise
 
     def _start(self, timeout: float) -> LocalStack:
-        if self.airflow == [sys.executable, "-m", "airflow"]:
-            migrate_db()
-        else:
-            subprocess.run(self.airflow + ["db", "migrate"], env=self.env, check=True, capture_output=True)
+        # In the stack's own environment: its database may not be this process's (PostgreSQL, say).
+        migrated = subprocess.run(self.airflow + ["db", "migrate"], env=self.env, capture_output=True, text=True)
+        if migrated.returncode != 0:
+            raise RuntimeError(f"airflow db migrate failed (exit {migrated.returncode}):"
+                               f" {(migrated.stdout + migrated.stderr)[-2000:]}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        wrap = ([sys.executable, "-m", "training.parentdeath", "--parent", str(os.getpid()), "--signal", "TERM", "--"]
-                if self.bind_to_parent else [])
-        for name, args in (("api-server", ["api-server", "--port", str(self.port), "--host", "127.0.0.1"]),
-                           ("scheduler", ["scheduler"]), ("dag-processor", ["dag-processor"])):
-            with open(self.log_dir / f"{name}.log", "ab") as log:
-                self.procs.append(subprocess.Popen(wrap + self.airflow + args, env=self.env, stdout=log,
-                                                   stderr=subprocess.STDOUT, start_new_session=True))
-            self.names[self.procs[-1].pid] = name
+        self.commands = {"api-server": ["api-server", "--port", str(self.port), "--host", "127.0.0.1"],
+                         "scheduler": ["scheduler"], "dag-processor": ["dag-processor"]}
+        for i in range(1, self.celery_workers + 1):
+            self.commands[f"celery-worker-{i}"] = ["celery", "worker", "--concurrency", "1",
+                                                   "--celery-hostname", f"worker{i}@%h", "--without-mingle",
+                                                   "--without-gossip"]
+        for name in self.commands:
+            self._spawn(name)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for p in self.procs:
@@ -105,6 +110,27 @@ class LocalStack:
                 pass
             time.sleep(1)
         raise TimeoutError(f"Airflow did not become healthy on {self.base} within {timeout:.0f}s; see {self.log_dir}")
+
+    def _spawn(self, name: str) -> subprocess.Popen:
+        wrap = ([sys.executable, "-m", "training.parentdeath", "--parent", str(os.getpid()), "--signal", "TERM", "--"]
+                if self.bind_to_parent else [])
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(wrap + self.airflow + self.commands[name], env=self.env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        self.names[proc.pid] = name
+        return proc
+
+    def process(self, name: str) -> subprocess.Popen:
+        return next(p for p in self.procs if self.names.get(p.pid) == name and p.poll() is None)
+
+    def restart(self, name: str, sig: int = signal.SIGKILL) -> subprocess.Popen:
+        """Signal one process's group (SIGKILL: a crash) and start it again, as a process manager would."""
+        old = self.process(name)
+        self._signal(old, sig)
+        old.wait(timeout=30)
+        self.procs.remove(old)
+        return self._spawn(name)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to each process's whole group; SIGKILL to a group whose leader outlasts `timeout`, and

@@ -1,0 +1,133 @@
+"""Throwaway production services for the tests, on loopback and free ports: a PostgreSQL 15 cluster
+(`initdb`/`pg_ctl` from the machine image, run as the `postgres` user since PostgreSQL refuses root)
+and a Redis server (Debian's redis-server: `make redis`). Every file of theirs lives under one
+temporary directory that is removed on stop; stop ends the servers (nothing outlives a test).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen | None, what: str, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f}s; see {log}")
+
+
+def missing() -> str | None:
+    """Why these services cannot start here (None: they can)."""
+    gone = [c for c in ("initdb", "pg_ctl", "redis-server") if shutil.which(c) is None]
+    if gone:
+        return f"{', '.join(gone)} not found: PostgreSQL comes with the machine image, Redis with `make redis`"
+    return None
+
+
+class Postgres:
+    """One PostgreSQL cluster with a database `airflow` owned by a role `airflow` (trust auth on loopback:
+    a test server, never a deployment's)."""
+
+    def __init__(self) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="ballast-pg-"))
+        self.data = self.base / "data"
+        self.log = self.base / "postgres.log"
+        self.port = _free_port()
+        try:
+            self.user = pwd.getpwnam("postgres")
+        except KeyError:
+            self.user = pwd.getpwnam("nobody")
+        self.url = f"postgresql+psycopg2://airflow@127.0.0.1:{self.port}/airflow"
+
+    def _as_owner(self, argv: list[str], **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, user=self.user.pw_uid, group=self.user.pw_gid, capture_output=True, text=True,
+                              cwd=self.base, check=True, **kw)
+
+    def start(self) -> Postgres:
+        os.chmod(self.base, 0o755)
+        os.chown(self.base, self.user.pw_uid, self.user.pw_gid)
+        self._as_owner(["initdb", "-D", str(self.data), "-U", "airflow", "--auth=trust", "-E", "UTF8", "--no-sync"])
+        self._as_owner(["pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start", "-o",
+                        f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off"
+                        " -c max_connections=200"])
+        _wait_port(self.port, None, "PostgreSQL", self.log)
+        self._as_owner(["createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "airflow", "airflow"])
+        return self
+
+    def stop(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            try:
+                self._as_owner(["pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop"])
+            except subprocess.CalledProcessError:
+                pid = int((self.data / "postmaster.pid").read_text().split()[0])
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def __enter__(self) -> Postgres:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Redis:
+    """A Redis server with no persistence, as the Celery broker."""
+
+    def __init__(self) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="ballast-redis-"))
+        self.log = self.base / "redis.log"
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Redis:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(self.base)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait_port(self.port, self.proc, "redis-server", self.log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def __enter__(self) -> Redis:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
