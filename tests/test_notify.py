@@ -30,6 +30,17 @@ def test_bad_notification_sections_get_one_line(section, message):
 
 
 @pytest.mark.unit
+def test_a_notification_that_cannot_be_composed_is_one_log_line_and_no_exception(logged):
+    from ballast.notify import StageNotifier
+
+    data = {**example_data(), "notifications": {"webhook": {"conn_id": "hook"}}}
+    StageNotifier(event="failure", stage="train", spec_data=data, spec_file="x.yaml").notify({})  # no task instance
+    StageNotifier(event="failure", stage="train", spec_data={"nonsense": 1}, spec_file="x.yaml").notify({})
+    assert [level for level, _ in logged.lines] == ["ERROR", "ERROR"], logged.lines
+    assert all("not composed" in msg and "\n" not in msg for _, msg in logged.lines), logged.lines
+
+
+@pytest.mark.unit
 def test_the_email_escapes_what_the_failure_says():
     from ballast.notify import html_body, subject
 

@@ -31,6 +31,15 @@ def test_the_alert_rules_are_valid_prometheus_rules():
     assert out.returncode == 0 and "SUCCESS: 6 rules found" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.integration
+def test_the_alerts_fire_and_resolve_on_series_shaped_as_the_trainer_exports_them():
+    # The loss-spike alert fires for a counter that first appears with a spike counted, resolves five
+    # minutes later, fires again on the next spike; repeated out-of-memory fires on the second failure.
+    out = subprocess.run([_need("promtool"), "test", "rules", RULES.with_suffix(".test.yml").name],
+                         capture_output=True, text=True, cwd=RULES.parent)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+
+
 @pytest.fixture
 def prometheus(tmp_path, monkeypatch):
     binary = _need("prometheus")

@@ -166,6 +166,34 @@ def test_convert_writes_manifest_and_is_idempotent(tmp_path, digits_raw):
 
 
 @pytest.mark.integration
+def test_convert_and_warm_up_record_their_progress_while_they_work(tmp_path, digits_raw, monkeypatch):
+    """What the task log says (done, total, rate, ETA) goes to runs/<dag>/<run>/progress/<stage>.json for
+    the stability view: 0 done as the work starts, then each report, the last one finished."""
+    from ballast.records import StageProgress
+
+    ctx = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(stages=[{"name": "first", "fraction": 0.5},
+                                                                           {"name": "rest", "fraction": 1.0}]))
+    written: dict[str, list[StageProgress]] = {"convert": [], "warm_cache": []}
+    write = type(ctx.storage).write_bytes
+
+    def spy(self, key, data):
+        for stage, seen in written.items():
+            if key == f"{ctx.run_key}/progress/{stage}.json":
+                seen.append(StageProgress.model_validate_json(data))
+        return write(self, key, data)
+
+    monkeypatch.setattr(type(ctx.storage), "write_bytes", spy)
+    run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)
+    conv, warm = written["convert"], written["warm_cache"]
+    assert (conv[0].done, conv[0].finished, conv[0].eta_seconds) == (0, False, None), conv[0]
+    assert (conv[-1].done, conv[-1].total, conv[-1].finished, conv[-1].unit) == (1797, 1797, True, "rows")
+    assert [p.what for p in warm] == ["cache phase first"] * (len(warm) - 2) + ["cache phase rest"] * 2
+    assert all(p.unit == "bytes" and p.done <= p.total for p in warm)
+    assert warm[-1].finished and warm[-1].done == warm[-1].total > 0
+    assert ctx.storage.exists(f"{ctx.run_key}/progress/warm_cache.json")
+
+
+@pytest.mark.integration
 def test_converted_shards_are_readable_by_petastorm_and_tfrecord(tmp_path, digits_raw):
     ctx = make_ctx(tmp_path, digits_raw)
     out = run_chain(ctx, validate, convert)["convert"]

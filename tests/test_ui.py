@@ -47,7 +47,7 @@ def _records(root: Path) -> AttemptHistory:
     for step in (20, 40, 60):
         _write(root, f"checkpoints/step-{step:08d}/COMMITTED", "")
     _write(root, "checkpoints/quarantine/step-00000080/COMMITTED", "")
-    _write(root, "heartbeat", "100 1200.0\n")
+    _write(root, "train/heartbeat", "100 1200.0\n")
     return history
 
 
@@ -140,6 +140,46 @@ def test_corrupt_records_show_as_such(tmp_path, damage, state, problem):
     assert s["recovery"] is None and s["tries"] == []
     assert s["records"]["states"]["train/metrics.jsonl"] == "partial"  # a line being written
     assert s["curves"]["step"] == [10]
+
+
+@pytest.mark.unit
+def test_records_that_parse_but_hold_odd_values_still_give_a_page(tmp_path):
+    """Damage that JSON accepts: NaN or text where a number goes, a list where a name goes, null where
+    a spec section goes. The view shows what it can; it never fails with a server error."""
+    from ballast.ui.summary import run_summary
+
+    _records(tmp_path)
+    events = [{"event": "step", "time": 1.0, "step": 10, "rank": 0, "loss": 1.0, "data_s": float("nan"),
+               "compute_s": "slow", "comm_opt_s": None},
+              {"event": "anomaly", "time": 2.0, "step": 10, "rank": 0, "kind": ["loss_spike"], "zscore": "high"}]
+    _write(tmp_path, "train/metrics.jsonl", "\n".join(json.dumps(e) for e in events) + "\n")
+    for training, cache in ((None, None), ([1], "x"), ({"epochs": "many", "global_batch_size": 0}, {"stages": [3]})):
+        _write(tmp_path, "spec.json", {"spec_file": "x.yaml", "parameters_given": {}, "parameters_applied": {},
+                                       "spec": {"training": training, "cache": cache}})
+        s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+        assert s["progress"]["total"] is None and s["progress"]["samples_per_second"] is None
+        assert s["step_time"]["median_seconds"] == {"data": 0.0, "compute": 0.0, "communication": 0.0}
+        assert s["curves"]["spikes"] == [{"step": 10, "kind": None, "loss": None, "zscore": None}]
+
+
+@pytest.mark.unit
+def test_a_stage_at_work_shows_its_progress_record_and_a_stage_without_one_is_no_problem(tmp_path):
+    from ballast.records import StageProgress
+    from ballast.ui.summary import run_summary
+
+    _records(tmp_path)
+    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    assert s["stage_progress"] == [] and not any(k.startswith("progress/") for k in s["records"]["states"])
+    _write(tmp_path, "progress/convert.json", StageProgress(
+        stage="convert", what="convert", unit="rows", done=600, total=1797, rate_per_second=300.0, eta_seconds=4.0,
+        started=1290.0, updated=1298.0).model_dump_json())
+    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    assert s["stage_progress"] == [{"stage": "convert", "what": "convert", "unit": "rows", "done": 600, "total": 1797,
+                                    "rate_per_second": 300.0, "eta_seconds": 4.0, "updated": 1298.0,
+                                    "finished": False, "age_seconds": 2.0}]
+    _write(tmp_path, "progress/convert.json", b'{"stage": "convert", "done": "many"}')
+    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    assert s["stage_progress"] == [] and s["records"]["states"]["progress/convert.json"] == "corrupt"
 
 
 @pytest.mark.unit
@@ -270,6 +310,7 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
         assert data["model"]["published"] and data["validation"]["passed"]
         assert all(v is not None for v in data["curves"]["learning_rate"] + data["curves"]["loss_scale"])
         assert _get(f"{base}/ballast/api/runs/{faulty_ctx.dag_id}/no_such_run", token)[0] == 404
+        assert _get(f"{base}/ballast/api/runs/{faulty_ctx.dag_id}/%2E%2E", token)[0] == 404  # not a storage error
         assert _get(f"{base}/ballast/api/runs/ballast_nope/{quote(faulty.run_id, safe='')}", token)[0] in (403, 404)
         # Damaged records of a run show as such, never as a server error.
         broken = demo_ctx.storage.local_path(f"runs/{demo_ctx.dag_id}/manual__broken")

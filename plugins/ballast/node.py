@@ -119,7 +119,7 @@ def run(job: NodeJob, rank: int) -> int:
     ctx = RunContext(spec=spec, dag_id=job.dag_id, run_id=job.run_id, try_number=job.try_number, log=log,
                      task_id=job.task_id, spec_file=job.spec_file)
     log.info("node %d of %d on %s: try %d of %s", rank, spec.training.nodes, host, job.try_number, job.dag_id)
-    cache = warm(ctx, list(range(len(spec.cache.stages))))
+    cache = warm(ctx, list(range(len(spec.cache.stages))), record_progress=False)
     shared = ctx.storage.local_path(ctx.run_key) is not None
     if shared:
         out_dir, ckpt_dir = Path(job.out_dir), Path(job.checkpoint_dir)

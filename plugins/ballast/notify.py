@@ -32,8 +32,13 @@ class StageNotifier(BaseNotifier):
     def notify(self, context: Any) -> None:
         from ballast.spec import parse_spec
 
-        spec = parse_spec(self.spec_data, source=self.spec_file)
-        message = compose(spec, self.event, self.stage, context)
+        try:
+            spec = parse_spec(self.spec_data, source=self.spec_file)
+            message = compose(spec, self.event, self.stage, context)
+        except Exception as exc:  # noqa: BLE001  (as in _deliver: one line, the task's outcome unchanged)
+            log.error("notification of %s on %s not composed: %s: %s", self.event, self.stage, type(exc).__name__,
+                      " ".join(str(exc).split())[:500])
+            return
         channels = spec.notifications
         if channels.webhook is not None:
             _deliver("webhook", channels.webhook.conn_id, lambda: _post(channels.webhook, message))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ballast.records.attempts import Attempt, AttemptHistory, RecoverySummary
 from ballast.records.base import Record, current_version
+from ballast.records.progress import StageProgress
 from ballast.records.stages import (
     AppliedParameter,
     BestValidation,
@@ -58,6 +59,7 @@ __all__ = [
     "RecoverySummary",
     "RoundResult",
     "RunReport",
+    "StageProgress",
     "StageRecords",
     "TrainResult",
     "TrainingOutcome",

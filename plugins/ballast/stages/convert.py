@@ -26,6 +26,7 @@ from ballast.context import RunContext
 from ballast.errors import DataError
 from ballast.packing import (FORMAT_VERSION, SPLITS, FeatureEncoder, layout, plan_chunks, read_chunk, split_codes,
                              unischema, write_petastorm_metadata, write_shard)
+from ballast.progress import Progress
 from ballast.rawdata import fingerprint_files, raw_files
 from ballast.records import ConvertResult
 from ballast.storage import ballast_home, sha256_file
@@ -49,25 +50,6 @@ def load_quarantined(ctx: RunContext) -> Any:
     if q is None or not q.rows:
         return np.zeros(0, np.int64)
     return np.load(io.BytesIO(ctx.storage.read_bytes(q.row_ids_key)), allow_pickle=False)
-
-
-class Progress:
-    """Rows done of a total, with rate and ETA, logged at most every `every` seconds."""
-
-    def __init__(self, log, what: str, total: int, every: float = 5.0):
-        self.log, self.what, self.total, self.every = log, what, total, every
-        self.done = 0
-        self.t0 = self._last = time.monotonic()
-
-    def add(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self._last >= self.every or self.done >= self.total:
-            self._last = now
-            rate = self.done / max(now - self.t0, 1e-9)
-            eta = (self.total - self.done) / rate if rate else 0.0
-            self.log.info("%s: %d/%d rows (%.0f%%), %.0f rows/s, ETA %.0fs", self.what, self.done, self.total,
-                          100.0 * self.done / max(self.total, 1), rate, eta)
 
 
 def convert_arrow(chunks, spec, bad_rows, staging: Path, progress: Progress | None = None) -> list[dict]:
@@ -158,7 +140,8 @@ def run(ctx: RunContext) -> ConvertResult:
 
             entries = convert_spark(chunks, spec, bad_rows, staging, log=ctx.log)
         else:
-            entries = convert_arrow(chunks, spec, bad_rows, staging, Progress(ctx.log, "convert", total))
+            progress = Progress(ctx.log, "convert", total, ctx=ctx, stage="convert").start()
+            entries = convert_arrow(chunks, spec, bad_rows, staging, progress)
         entries = finish(staging, spec, entries)
         rows = {s: sum(e["rows"] for e in entries if e["split"] == s and e["format"] == spec.conversion.formats[0])
                 for s in SPLITS}

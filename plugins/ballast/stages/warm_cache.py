@@ -23,13 +23,13 @@ import json
 import math
 import os
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
+from ballast.progress import Progress
 from ballast.records import WarmCacheResult, WarmUpPhase
 from ballast.storage import Storage, atomic_write_bytes, safe_join, sha256_file
 
@@ -114,8 +114,10 @@ def fetch(storage: Storage, key: str, dst: Path, entry: dict) -> int:
     return got
 
 
-def warm(ctx: RunContext, phase_indices: list[int]) -> WarmCacheResult:
-    """Warm the phases `phase_indices` (0-based indices into `cache.stages`) into the node-local cache."""
+def warm(ctx: RunContext, phase_indices: list[int], *, record_progress: bool = True) -> WarmCacheResult:
+    """Warm the phases `phase_indices` (0-based indices into `cache.stages`) into the node-local cache.
+    `record_progress`: write the stability view's progress record (the train task's own warm-up; not a
+    cluster node's, whose peers warm at the same time)."""
     spec = ctx.spec
     conv = ctx.result("convert")
     prefix = conv.prefix
@@ -147,22 +149,12 @@ def warm(ctx: RunContext, phase_indices: list[int]) -> WarmCacheResult:
         if need > free:
             raise StorageError(f"cache.directory: {cache_dir} has {free} bytes free, stage {phase_spec.name!r}"
                                f" needs {need}; free disk or point cache.directory elsewhere")
-        lock = threading.Lock()
-        done = {"files": 0, "bytes": 0}
-        last_log = [0.0]
+        progress = Progress(ctx.log, f"cache phase {phase_spec.name}", need, unit="bytes", every=2.0, files=len(todo),
+                            ctx=ctx if record_progress else None, stage="warm_cache").start()
 
         def one(entry: dict, dst: Path) -> None:
             fetch(ctx.storage, f"{prefix}/{entry['path']}", dst, entry)
-            with lock:
-                done["files"] += 1
-                done["bytes"] += entry["bytes"]
-                now = time.monotonic()
-                if now - last_log[0] >= 2.0 or done["files"] == len(todo):
-                    last_log[0] = now
-                    rate = done["bytes"] / max(now - t0, 1e-6)
-                    eta = (need - done["bytes"]) / rate if rate else 0.0
-                    ctx.log.info("cache phase %s: %d/%d files, %.1f/%.1f MB, %.1f MB/s, ETA %.0fs", phase_spec.name,
-                                 done["files"], len(todo), done["bytes"] / 1e6, need / 1e6, rate / 1e6, eta)
+            progress.add(entry["bytes"], files=1)
 
         with ThreadPoolExecutor(max_workers=spec.cache.concurrency) as pool:
             for fut in as_completed([pool.submit(one, e, d) for e, d in todo]):

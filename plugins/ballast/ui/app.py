@@ -36,6 +36,7 @@ STATIC = Path(__file__).parent / "static"
 LIVE_SECONDS = 5.0
 PIPELINE_SECONDS = 30.0  # the pipeline page reads every run's attempt history: kept longer
 CACHED_RUNS = 256
+MAX_DOCS_BYTES = 32 << 20  # one Data Docs page or asset: GX writes kilobytes
 READ_RUNS = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
 
 
@@ -74,6 +75,7 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
 
     def run_data(dag_id: str, run_id: str) -> dict:
         storage = storage_of(dag_id)
+        _no_dots(run_id)
         data = cache.get(("run", dag_id, run_id), lambda: summary.run_summary(storage, dag_id, run_id),
                          final=lambda d: d is not None and d["status"] == "finished")
         if data is None:
@@ -102,15 +104,20 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
     @app.get("/runs/{dag_id}/{run_id}/data_docs/{path:path}", dependencies=[READ_RUNS])
     def data_docs(dag_id: str, run_id: str, path: str) -> Response:
         storage = storage_of(dag_id)
+        _no_dots(run_id)
         rel = PurePosixPath(path)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts or "\\" in path:
             raise HTTPException(404, "no such Data Docs page")
         key = f"{summary.run_prefix(dag_id, run_id)}/data_docs/{rel}"
         if not storage.exists(key):
             raise HTTPException(404, f"no Data Docs page {path!r} for this run")
+        if storage.size(key) > MAX_DOCS_BYTES:  # a bounded read, like every record the view reads
+            raise HTTPException(413, f"Data Docs page {path!r} is over {MAX_DOCS_BYTES >> 20} MiB; open it from storage")
         kind = mimetypes.guess_type(rel.name)[0] or "application/octet-stream"
         # Rendered from data: its scripts run in a sandbox of their own origin, never as the viewer.
-        return Response(storage.read_bytes(key), media_type=kind,
+        with storage.open_read(key) as f:
+            body = f.read(MAX_DOCS_BYTES + 1)[:MAX_DOCS_BYTES]
+        return Response(body, media_type=kind,
                         headers={"Content-Security-Policy": "sandbox allow-scripts", "X-Content-Type-Options": "nosniff"})
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=[READ_RUNS])
@@ -145,6 +152,12 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
         return JSONResponse({"detail": f"the pipeline's storage could not be read: {exc}"}, status_code=503)
 
     return app
+
+
+def _no_dots(run_id: str) -> None:
+    """'.' and '..' name no run (Airflow refuses such run ids); as a key part they would leave the prefix."""
+    if not run_id.strip("."):
+        raise HTTPException(404, f"no run {run_id!r}")
 
 
 def _url(request: Request, route: str, /, **params: str) -> str:

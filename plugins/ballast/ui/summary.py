@@ -25,6 +25,7 @@ from ballast.records import (
     PublishResult,
     RecoverySummary,
     RunReport,
+    StageProgress,
     TrainResult,
     ValidateResult,
     VerifyResult,
@@ -71,6 +72,7 @@ def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None
         "curves": _curves(events),
         "step_time": _step_time(events),
         "progress": _progress(events, heartbeat, history, convert, spec_data, train, now=now, finished=finished),
+        "stage_progress": [] if finished else _stage_progress(r, convert, warm, now=now),
         "warm_up": _warm_up(warm, spec_data),
         "validation": _validation(validate, storage, prefix),
         "model": _model(publish, report, train),
@@ -185,8 +187,9 @@ def _curves(events: list[dict]) -> dict[str, Any]:
     spikes: dict[tuple, dict] = {}  # every rank logs an anomaly it sees: one mark per step and kind
     for e in events:
         if e.get("event") == "anomaly":
-            mark = {"step": e["step"], "kind": e.get("kind"), "loss": _finite(e.get("loss")), "zscore": e.get("zscore")}
-            spikes.setdefault((e["step"], e.get("kind")), mark)
+            kind = e.get("kind") if isinstance(e.get("kind"), str) else None  # a damaged line draws a mark of no kind
+            mark = {"step": e["step"], "kind": kind, "loss": _finite(e.get("loss")), "zscore": _finite(e.get("zscore"))}
+            spikes.setdefault((e["step"], kind), mark)
     keep = _thin(len(steps), MAX_POINTS)
     pts = [steps[i] for i in keep]
 
@@ -203,7 +206,7 @@ def _step_time(events: list[dict]) -> dict[str, Any] | None:
     steps = [e for e in events if e.get("event") == "step" and "compute_s" in e]
     if not steps:
         return None
-    split = {k: statistics.median(float(e.get(f, 0.0)) for e in steps)
+    split = {k: statistics.median(_finite(e.get(f)) or 0.0 for e in steps)
              for k, f in (("data", "data_s"), ("compute", "compute_s"), ("communication", "comm_opt_s"))}
     total = sum(split.values())
     return {"median_seconds": {k: round(v, 6) for k, v in split.items()},
@@ -225,7 +228,8 @@ def _progress(events: list[dict], heartbeat: tuple[int, float] | None, history: 
     rate = None
     if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"] and recent[-1]["step"] > recent[0]["step"]:
         rate = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
-    batch = (spec or {}).get("training", {}).get("global_batch_size")
+    batch = _section(spec, "training").get("global_batch_size")
+    batch = batch if _finite(batch) else None
     current = history.attempts[-1] if history and history.attempts else None
     eta = None
     if not finished and rate and total and step < total:
@@ -236,10 +240,28 @@ def _progress(events: list[dict], heartbeat: tuple[int, float] | None, history: 
             "heartbeat_age_seconds": round(now - heartbeat[1], 1) if heartbeat and not finished else None}
 
 
+def _stage_progress(r: Reader, convert: ConvertResult | None, warm: WarmCacheResult | None, *,
+                    now: float) -> list[dict[str, Any]]:
+    """Conversion and warm-up at work: their progress records while no result says they are done (the
+    warm-up's later phases: while the result says some are pending)."""
+    out = []
+    for stage, busy in (("convert", convert is None), ("warm_cache", warm is None or warm.pending_phases > 0)):
+        if not busy:
+            continue
+        name = f"progress/{stage}.json"
+        p = r.record(name, StageProgress)
+        if r.states.get(name) == "missing":  # not started yet, or an engine that reports none (Spark)
+            del r.states[name]
+        if p is not None:
+            out.append({**p.model_dump(exclude={"version", "started"}), "age_seconds": round(now - p.updated, 1)})
+    return out
+
+
 def _warm_up(warm: WarmCacheResult | None, spec: dict | None) -> dict[str, Any] | None:
     if warm is None:
         return None
-    planned = [s.get("name") for s in (spec or {}).get("cache", {}).get("stages", [])]
+    stages = _section(spec, "cache").get("stages")
+    planned = [s.get("name") for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
     return {"phases": [p.model_dump() for p in warm.phases], "pending_phases": warm.pending_phases,
             "planned": planned, "seconds": warm.seconds, "format": warm.format}
 
@@ -267,12 +289,18 @@ def _model(publish: PublishResult | None, report: RunReport | None, train: Train
 
 
 def _planned_steps(convert: ConvertResult | None, spec: dict | None) -> int | None:
-    t = (spec or {}).get("training") or {}
-    if convert is None or not t.get("epochs") or not t.get("global_batch_size"):
+    t = _section(spec, "training")
+    epochs, batch, limit = t.get("epochs"), t.get("global_batch_size"), _section(t, "rehearsal").get("max_steps")
+    if convert is None or not all(isinstance(v, int) and v > 0 for v in (epochs, batch)):
         return None
-    planned = t["epochs"] * max(1, convert.rows.get("train", 0) // t["global_batch_size"])
-    limit = (t.get("rehearsal") or {}).get("max_steps")
-    return min(planned, limit) if limit else planned
+    planned = epochs * max(1, convert.rows.get("train", 0) // batch)
+    return min(planned, limit) if isinstance(limit, int) and limit > 0 else planned
+
+
+def _section(data: Any, name: str) -> dict:
+    """`data[name]` when both are mappings, else {}: the effective spec is free-form JSON to this view."""
+    section = data.get(name) if isinstance(data, dict) else None
+    return section if isinstance(section, dict) else {}
 
 
 def _heartbeat(data: bytes | None) -> tuple[int, float] | None:

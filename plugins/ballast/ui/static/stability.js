@@ -75,6 +75,13 @@
       card("samples/s", fmt.n(p.samples_per_second, 1), "sps"),
       d.status === "finished" ? null : card("ETA", fmt.s(p.eta_seconds), "eta"),
       card("current try", fmt.n(p.current_try), "current-try")));
+    const sp = d.stage_progress || [];
+    if (sp.length) {
+      const amount = (q, unit) => unit === "bytes" ? (q / 1e6).toFixed(1) + " MB" : fmt.n(q) + " " + unit;
+      parts.push(el("h2", {}, "Stages at work"), table("stage-progress", ["stage", "work", "done", "rate", "ETA", "updated"],
+        sp.map((g) => [g.stage, g.what, amount(g.done, g.unit) + " of " + amount(g.total, g.unit) + (g.finished ? " (done)" : ""),
+          amount(g.rate_per_second, g.unit) + "/s", g.finished ? "–" : fmt.s(g.eta_seconds), fmt.s(g.age_seconds) + " ago"])));
+    }
     if (r) {
       const causes = Object.entries(r.lost_by_cause);
       parts.push(el("h2", {}, "Time lost, and why"),
