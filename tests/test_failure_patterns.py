@@ -146,6 +146,7 @@ REAL = [
      " ran for 600061 milliseconds before timing out.", "hang", "watchdog timeout"),
     ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms"
      " for recv operation to complete", "hang", "operation timed out"),
+    ("RuntimeError: Application timeout caused pair closure", "hang", "pair closed at the timeout"),  # seen in CI
     # communication
     ("torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1347,"
      " remote process exited or there was a network error, NCCL version 2.18.5\nncclRemoteError: A call failed"

@@ -254,6 +254,39 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
 
 
 @pytest.mark.integration
+def test_loader_workers_are_not_forked_while_the_checkpoint_writer_serialises(digits_cache):
+    """A worker forked while the writer's thread held a lock inside torch.save kept it held for good and
+    hung its rank (CI: a 600 s stall at an epoch's start, just after that epoch's checkpoint). The fork
+    waits for the writer's file; the writer's next file waits for the fork."""
+    import threading
+    import time
+
+    from training.dataset.loader import EpochLoader
+    from training.forkgate import GATE
+
+    loader = EpochLoader(Path(digits_cache.cache_dir), fmt="petastorm", rank=0, world=2, seed=5, workers=2)
+    released = []
+
+    def writer():  # a file being serialised in the background, as AsyncSaver's thread does
+        with GATE:
+            time.sleep(0.5)
+            released.append(time.monotonic())
+
+    t = threading.Thread(target=writer)
+    GATE.acquire()
+    t.start()
+    GATE.release()
+    while not GATE.locked():
+        time.sleep(0.001)
+    batches = loader.batches(1, batch=16)
+    next(batches)
+    forked_after = time.monotonic()
+    t.join()
+    assert released and forked_after >= released[0]
+    batches.close()
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", ["petastorm", "tfrecord"])
 def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
     import shutil

@@ -126,6 +126,8 @@ PATTERNS: tuple[Pattern, ...] = (
     # hang: a collective that never completed
     P("hang", "nccl", "watchdog timeout", r"Watchdog caught collective operation timeout"),
     P("hang", "gloo", "operation timed out", r"Timed out waiting \d+ms for (?:recv|send) operation"),
+    # gloo closes the pair once a collective outlives the group's timeout (distributed.timeout_seconds)
+    P("hang", "gloo", "pair closed at the timeout", r"Application timeout caused pair closure"),
     # communication: the transport, the store or a peer
     P("communication", "nccl", "remote error",
       r"ncclRemoteError|remote process exited or there was a network error"),

@@ -16,6 +16,7 @@ from typing import Any
 from training.checkpoint.commit import Writer, prune
 from training.checkpoint.fileio import staging_buffer
 from training.failure import CheckpointFailure, TrainingFailure, classify
+from training.forkgate import GATE
 
 
 class AsyncSaver:
@@ -68,9 +69,11 @@ class AsyncSaver:
             w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self._staging)
             w.begin()
             for name, obj in tensors.items():
-                w.write_tensors(name, obj, zip_crc=name == "model.pt")
+                with GATE:  # no loader worker is forked while torch.save runs here (training.forkgate)
+                    w.write_tensors(name, obj, zip_crc=name == "model.pt")
             for name, obj in jsons.items():
-                w.write_json(name, obj)
+                with GATE:
+                    w.write_json(name, obj)
             self.last_path = w.commit()
             if self.rank == 0:
                 prune(self.root, keep_last=self.keep_last, keep=keep)

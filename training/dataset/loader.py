@@ -23,6 +23,7 @@ from training.dataset.format import Block, blocks_of, read_manifest
 from training.dataset.order import SpanList, rank_spans, skip_samples
 from training.dataset.reader import Decoder, import_readers, read_block
 from training.failure import DataFailure
+from training.forkgate import GATE
 
 
 class Spans(IterableDataset):
@@ -55,7 +56,8 @@ def _start(loader: DataLoader) -> Iterator[Any]:
         return iter(loader)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        return iter(loader)
+        with GATE:  # not while the checkpoint writer's thread is inside torch.save (training.forkgate)
+            return iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
