@@ -361,6 +361,26 @@ def test_a_group_restart_inside_a_try_counts_its_work_lost_and_restart(tmp_path)
     assert failed.lost_seconds == 2.5 + 4.5
 
 
+@pytest.mark.unit
+def test_a_group_restart_counts_from_the_save_it_resumed_not_a_later_save_of_the_same_step(tmp_path):
+    """CI's planner run: the group resumed from an anomaly checkpoint at step 209 and at once saved step 209
+    again; the later save made its restart look free (0.5 s lost where the wall clock lost ~1.3 s). And a
+    group that restarted before any checkpoint lost everything since the try's first step."""
+    out, ckpt_dir = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir(), ckpt_dir.mkdir()
+    t = 1000.0
+    evs = [("first_step", 1, t + 1), ("step", 5, t + 1.5),
+           # killed at ~t+2 before any checkpoint: the new group starts from scratch
+           ("first_step", 1, t + 3), ("checkpoint", 209, t + 4), ("step", 210, t + 4.2),
+           # killed at ~t+4.3: the group resumes from step 209 and re-saves it (an anomaly checkpoint)
+           ("resume", 209, t + 5), ("checkpoint", 209, t + 5.4), ("first_step", 210, t + 5.5), ("step", 300, t + 9)]
+    (out / "metrics.jsonl").write_text("".join(
+        json.dumps({"event": e, "step": s, "time": at, "rank": 0}) + "\n" for e, s, at in evs))
+    attempt = history.begin(1, settings={}, adaptation=[]).model_copy(update={"started": t})
+    done = history.finish(attempt, out, ckpt_dir, outcome="success", ended=t + 10)
+    assert done.group_restarts == 2 and done.group_restart_lost_seconds == 2.0 + 1.5  # t+1 to t+3; t+4 to t+5.5
+
+
 @pytest.mark.e2e
 def test_the_planner_predicts_what_a_run_with_random_kills_loses(tmp_path):
     """`ballast plan`'s model (Daly's, fed with the run's own failure rate, checkpoint interval, save and

@@ -106,15 +106,17 @@ def run(job: NodeJob, rank: int) -> int:
     from ballast.launch_spec import torchrun_argv
     from ballast.spec import Spec
     from ballast.stages.warm_cache import warm
+    from ballast.storage import ballast_home
     from training.config.run import RunConfig
 
     data = dict(job.spec)
     host = node_name()
-    # The node-local cache: $BALLAST_CACHE_DIR (a pod's cache volume) or the spec's cache directory, in a
-    # directory of this node's own (nodes that share a disk never warm one directory at once).
-    base = os.environ.get("BALLAST_CACHE_DIR") or (data.get("cache") or {}).get("directory")
-    if base:
-        data["cache"] = {**(data.get("cache") or {}), "directory": str(Path(base) / f"node-{host}")}
+    # The node-local cache: $BALLAST_CACHE_DIR (a pod's cache volume), the spec's cache directory or the
+    # default one, always in a directory of this node's own: nodes that share a disk (or the worker's
+    # cache) never warm one directory at once (two nodes fetching one file into one .part file: CI).
+    base = os.environ.get("BALLAST_CACHE_DIR") or (data.get("cache") or {}).get("directory") \
+        or str(ballast_home() / "cache")
+    data["cache"] = {**(data.get("cache") or {}), "directory": str(Path(base) / f"node-{host}")}
     spec = Spec.model_validate(data)
     ctx = RunContext(spec=spec, dag_id=job.dag_id, run_id=job.run_id, try_number=job.try_number, log=log,
                      task_id=job.task_id, spec_file=job.spec_file)

@@ -113,7 +113,7 @@ def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
         # The work a checkpoint keeps is the state when it was taken (its save event), not its commit.
         found["last_commit_step"] = last_commit[0]
         found["last_commit_at"] = float(saves.get(last_commit[0], last_commit[1]))
-    lost, last_first = _group_restarts(evs, {**dict(commits), **saves})
+    lost, last_first = _group_restarts(evs, dict(commits))
     if lost:
         found["group_restarts"] = len(lost)
         found["group_restart_lost_seconds"] = round(sum(lost), 3)
@@ -121,23 +121,30 @@ def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
     return found
 
 
-def _group_restarts(evs: list[dict[str, Any]], saved_at: dict[int, float]) -> tuple[list[float], float | None]:
+def _group_restarts(evs: list[dict[str, Any]], commits: dict[int, float]) -> tuple[list[float], float | None]:
     """What each of torchrun's group restarts inside the try cost (`recovery.max_restarts`): from the
-    moment of the state it resumed from (that checkpoint's save) to its first step, which is the work
-    lost since that checkpoint, the detection and the restart together; and the last group's first step."""
+    moment of the state it resumed from (that checkpoint's save, the last one before the resume: a
+    restarted group may save the same step again) to its first step, which is the work lost since that
+    checkpoint, the detection and the restart together; a restart from scratch lost everything since the
+    try's first step. Also the last group's first step."""
     lost: list[float] = []
-    first_seen, last_first, resumed = False, None, None
+    saved: dict[int, float] = dict(commits)  # step -> when its state was taken, as of this point in the log
+    start, last_first, resumed_at = None, None, None
     for e in evs:
         if e.get("rank", 0) != 0:
             continue
         kind = e.get("event")
-        if kind == "resume":
-            resumed = e.get("step")
+        if kind == "checkpoint" and isinstance(e.get("step"), int):
+            saved[e["step"]] = float(e["time"])
+        elif kind == "resume":
+            resumed_at = saved.get(e.get("step"))
         elif kind == "first_step":
-            if first_seen:
-                at = saved_at.get(resumed) if resumed is not None else None
-                lost.append(max(0.0, float(e["time"]) - at) if at is not None else 0.0)
-            first_seen, last_first, resumed = True, float(e["time"]), None
+            if start is None:
+                start = float(e["time"])
+            else:
+                at = resumed_at if resumed_at is not None else start
+                lost.append(max(0.0, float(e["time"]) - at))
+            last_first, resumed_at = float(e["time"]), None
     return lost, last_first
 
 

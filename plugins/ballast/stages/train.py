@@ -254,7 +254,17 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
     if spec.execution.backend != "local":
         from ballast.stages.train_remote import train_remote
 
-        return train_remote(ctx, cfg, out_dir, ckpt_dir, settings)
+        # The nodes warm caches of their own; this worker warms the rest of its cache beside the job, for
+        # the stages after training that read it here (verify's probe, evaluate's test split).
+        warmer = _Warmer(ctx) if cache.pending_phases else None
+        try:
+            trained = train_remote(ctx, cfg, out_dir, ckpt_dir, settings)
+        finally:
+            if warmer:
+                warmer.join()
+        if warmer and warmer.error:
+            raise warmer.error
+        return trained
     config_path = out_dir / "run.json"
     cfg.dump(config_path)
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")

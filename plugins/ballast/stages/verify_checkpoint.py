@@ -54,7 +54,8 @@ PROBE_ROWS = 64
 
 def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
     """A forward pass of a checkpoint's model on the first held-out batch (the validation split's first
-    block, or the first training block while the validation set is not in the cache yet): its loss."""
+    cached block, or the first cached training block while the validation set is not in the cache: a
+    cluster try's nodes warm the later phases in their own caches, the worker holds the first): its loss."""
     import torch
 
     from training.dataset.format import blocks_of, read_manifest
@@ -62,8 +63,8 @@ def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
 
     data_dir = Path(cache_dir)
     manifest = read_manifest(data_dir)
-    blocks = [b for split in ("validation", "train") for b in blocks_of(manifest, split, fmt)[:1]
-              if (data_dir / b.path).is_file()]
+    blocks = [b for split in ("validation", "train")
+              for b in [c for c in blocks_of(manifest, split, fmt) if (data_dir / c.path).is_file()][:1]]
     if not blocks:
         raise CheckpointError(f"{data_dir}: no cached validation or training block to probe checkpoints with")
     x, y = read_block(data_dir, blocks[0], fmt, Decoder(manifest["feature"], fmt), manifest["label"]["name"])
