@@ -92,8 +92,7 @@ class Trainer:
             self.autocast_dtype = torch.bfloat16
         elif cfg.numerics.precision == "fp16" and self.dist.device.type == "cuda":
             self.autocast_dtype = torch.float16
-        # Dynamic loss scaling (fp16 only). Seed documents: initial scale 8192, growth interval 100;
-        # PyTorch's own defaults are 65536 and 2000.
+        # Dynamic loss scaling (fp16 only): the seed documents' 8192 / 100 (PyTorch's: 65536 / 2000).
         scale = cfg.numerics.loss_scale
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.autocast_dtype == torch.float16,
                                            init_scale=scale.initial, growth_interval=scale.growth_interval)
@@ -195,8 +194,7 @@ class Trainer:
         import torch
 
         cfg, st = self.cfg, self.state
-        # A checkpoint of the state before this step (an anomaly's) must record the generators as they
-        # were before its forward pass drew dropout masks from them, or a resume draws other masks.
+        # An anomaly checkpoint records the generators as before this forward pass (its dropout masks).
         self._rng_before = self.checkpoints.rng_state()
         mb, accum = cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps
         micro = [(xb[i * mb:(i + 1) * mb].to(self.dist.device, non_blocking=True),
@@ -206,8 +204,7 @@ class Trainer:
         t2 = time.monotonic()
         self.scaler.unscale_(self.opt)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip_norm)
-        # Gradients are the same on every rank after the all-reduce (under FSDP the norm is reduced),
-        # so the norm, and whether it is finite, is already agreed.
+        # The gradient norm (reduced under FSDP), so its finiteness, is the same on every rank.
         gnorm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP
         loss_sum, preempted, due, limit = agreed()
         loss = loss_sum / self.dist.world
