@@ -16,11 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port
 
 
 def _wait_port(port: int, proc: subprocess.Popen | None, what: str, log: Path, timeout: float = 30.0) -> None:
@@ -44,7 +40,27 @@ def missing() -> str | None:
     return None
 
 
-class Postgres:
+class _Service:
+    """Started on enter (stopped again if starting fails half way), stopped on exit."""
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Postgres(_Service):
     """One PostgreSQL cluster with a database `airflow` owned by a role `airflow` (trust auth on loopback:
     a test server, never a deployment's)."""
 
@@ -52,7 +68,7 @@ class Postgres:
         self.base = Path(tempfile.mkdtemp(prefix="ballast-pg-"))
         self.data = self.base / "data"
         self.log = self.base / "postgres.log"
-        self.port = _free_port()
+        self.port = free_port()
         try:
             self.user = pwd.getpwnam("postgres")
         except KeyError:
@@ -83,24 +99,14 @@ class Postgres:
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.base, ignore_errors=True)
 
-    def __enter__(self) -> Postgres:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-class Redis:
+class Redis(_Service):
     """A Redis server with no persistence, as the Celery broker."""
 
     def __init__(self) -> None:
         self.base = Path(tempfile.mkdtemp(prefix="ballast-redis-"))
         self.log = self.base / "redis.log"
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
@@ -121,13 +127,3 @@ class Redis:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.base, ignore_errors=True)
-
-    def __enter__(self) -> Redis:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
