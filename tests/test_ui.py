@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from ballast.context import safe_run_id
 from ballast.records import Attempt, AttemptHistory, RecoverySummary
 from ballast.storage import LocalStorage
 
 RUN = "manual__2026-12-04T10:00:00+00:00"
-PREFIX = "runs/ballast_demo/manual__2026-12-04T10_00_00_00_00"
+PREFIX = f"runs/ballast_demo/{safe_run_id(RUN)}"
 
 
 def _attempt(n: int, **kw) -> Attempt:
@@ -204,7 +205,13 @@ def test_the_pipeline_summary_spans_runs(tmp_path):
     other.mkdir(parents=True)
     (other / "train.json").write_text("{broken")
     s = pipeline_summary(LocalStorage(tmp_path), "ballast_demo")
-    assert [r["run"] for r in s["runs"]] == ["manual__2026-12-04T10_00_00_00_00", "scheduled__2026-12-05T00_00_00_00_00"]
+    # A run without spec.json is named by its directory; one whose spec.json records its id, by that id
+    # (what its link needs: the directory's name is no run id).
+    assert [r["run"] for r in s["runs"]] == [safe_run_id(RUN), "scheduled__2026-12-05T00_00_00_00_00"]
+    _write(tmp_path, "spec.json", {"spec_file": "x.yaml", "run_id": RUN, "parameters_given": {},
+                                   "parameters_applied": {}, "spec": {}, "version": 1})
+    s = pipeline_summary(LocalStorage(tmp_path), "ballast_demo")
+    assert [r["run"] for r in s["runs"]] == [RUN, "scheduled__2026-12-05T00_00_00_00_00"]
     assert s["runs"][0]["ratio"] == RecoverySummary.of([history]).effective_ratio
     assert s["runs"][1]["state"] == "corrupt"
     assert s["failures_by_class"] == {"oom": 1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -20,9 +21,42 @@ from ballast.storage import Storage, ballast_home, open_storage
 R = TypeVar("R", bound=Record)
 
 
+_KEY_SAFE = re.compile(r"[A-Za-z0-9._-]+")
+
+
 def safe_run_id(run_id: str) -> str:
-    """Run ids hold ':' and '+' (manual__2026-12-02T12:00:00+00:00); keep them path- and key-safe."""
+    """A run's directory name and storage key part, one-to-one with the run id.
+
+    An id of path- and key-safe characters is its own key (`manual_1`); any other
+    (`manual__2026-12-02T12:00:00+00:00`) is a readable form, every other character as '_', then '~' and
+    12 hex digits of the exact id's sha256. '~' occurs in no key-safe id, and ids that read alike
+    (':' or '_') hash apart: two runs never share a directory, checkpoints, records or lease."""
+    if _KEY_SAFE.fullmatch(run_id) and run_id.strip("."):
+        return run_id
+    return f"{legacy_run_id(run_id)[:200]}~{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
+
+
+def legacy_run_id(run_id: str) -> str:
+    """The key earlier Ballast versions used (not one-to-one): only for reading what they wrote."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+
+
+def run_key(dag_id: str, run_id: str) -> str:
+    """Storage prefix of everything one run writes."""
+    return f"runs/{dag_id}/{safe_run_id(run_id)}"
+
+
+def run_key_for_reading(storage: Storage, dag_id: str, run_id: str) -> str:
+    """`run_key`, or for a run an earlier Ballast wrote under its old key, that key: when the run has no
+    records under its own key and the old directory's spec.json does not name another run."""
+    key, old = run_key(dag_id, run_id), f"runs/{dag_id}/{legacy_run_id(run_id)}"
+    if old == key or storage.exists(f"{key}/spec.json") or not storage.exists(f"{old}/spec.json"):
+        return key
+    try:
+        owner = json.loads(storage.read_bytes(f"{old}/spec.json")).get("run_id")
+    except (ValueError, AttributeError):
+        return key
+    return old if owner in (None, run_id) else key
 
 
 @dataclass
@@ -52,7 +86,7 @@ class RunContext:
     @property
     def run_key(self) -> str:
         """Storage prefix of everything this run writes."""
-        return f"runs/{self.dag_id}/{safe_run_id(self.run_id)}"
+        return run_key(self.dag_id, self.run_id)
 
     @property
     def work_dir(self) -> Path:

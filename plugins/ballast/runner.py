@@ -11,6 +11,7 @@ retry policy (`ballast.recovery.policy`) decides per class.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 from typing import Any
 
@@ -35,7 +36,8 @@ def effective_spec(spec_data: dict, spec_file: str, params: Any, *, given: Any =
     return apply_overrides(spec, overrides, source=f"{spec_file} (with run parameters)") if overrides else spec
 
 
-def effective_spec_record(base_data: dict, spec: Any, *, spec_file: str, given: dict[str, Any]) -> EffectiveSpec:
+def effective_spec_record(base_data: dict, spec: Any, *, spec_file: str, given: dict[str, Any],
+                          run_id: str | None = None) -> EffectiveSpec:
     """What spec.json holds: the effective spec and which of the given parameters changed it."""
     base = parse_spec(base_data, source=spec_file)
     applied = {}
@@ -43,8 +45,25 @@ def effective_spec_record(base_data: dict, spec: Any, *, spec_file: str, given: 
         before, after = get_path(base, path), get_path(spec, path)
         if before != after:
             applied[name] = AppliedParameter(path=path, spec_value=before, value=after)
-    return EffectiveSpec(spec_file=spec_file, parameters_given=given, parameters_applied=applied,
+    return EffectiveSpec(spec_file=spec_file, run_id=run_id, parameters_given=given, parameters_applied=applied,
                          spec=spec.model_dump(mode="json"))
+
+
+def claim_run_directory(ctx: RunContext) -> None:
+    """Refuse a run directory that holds another run's records. Keys are one-to-one with run ids
+    (`ballast.context.safe_run_id`), but an earlier Ballast wrote `a:b` and `a_b` to one directory: the
+    run that now owns that key must not resume from, or overwrite, the other's checkpoints and records."""
+    key = f"{ctx.run_key}/spec.json"
+    if not ctx.storage.exists(key):
+        return
+    try:
+        owner = json.loads(ctx.storage.read_bytes(key)).get("run_id")
+    except (ValueError, AttributeError):
+        owner = None
+    if owner != ctx.run_id:
+        raise BallastError(f"{ctx.storage.describe(key)}: this run's directory holds another run's records"
+                           f" ({'run ' + repr(owner) if owner else 'written before run ids were recorded'});"
+                           f" trigger the run with another run id, or move that directory away")
 
 
 def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +79,8 @@ def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str,
                          task_id=getattr(ti, "task_id", None) or stage, state=context.get("task_state_store"),
                          spec_file=spec_file)
         if stage == STAGES[0]:
-            effective = effective_spec_record(spec_data, spec, spec_file=spec_file, given=given)
+            claim_run_directory(ctx)
+            effective = effective_spec_record(spec_data, spec, spec_file=spec_file, given=given, run_id=ctx.run_id)
             ctx.storage.write_bytes(f"{ctx.run_key}/spec.json", effective.model_dump_json(indent=2).encode())
         module = importlib.import_module(f"ballast.stages.{stage}")
         try:

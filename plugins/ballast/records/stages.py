@@ -360,6 +360,8 @@ class EffectiveSpec(Record):
     """Record format version."""
     spec_file: str
     """The spec file the DAG was built from."""
+    run_id: str | None = None
+    """The exact run id whose directory this is (None: written before Ballast recorded it)."""
     parameters_given: dict[str, Any]
     """The run parameters as the trigger gave them (the run's conf; the trigger form sends every one)."""
     parameters_applied: dict[str, AppliedParameter]

@@ -108,7 +108,7 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
         rel = PurePosixPath(path)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts or "\\" in path:
             raise HTTPException(404, "no such Data Docs page")
-        key = f"{summary.run_prefix(dag_id, run_id)}/data_docs/{rel}"
+        key = f"{summary.run_prefix(storage, dag_id, run_id)}/data_docs/{rel}"
         if not storage.exists(key):
             raise HTTPException(404, f"no Data Docs page {path!r} for this run")
         if storage.size(key) > MAX_DOCS_BYTES:  # a bounded read, like every record the view reads

@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from ballast.context import safe_run_id
+from ballast.context import run_key_for_reading
 from ballast.records import (
     AttemptHistory,
     ConvertResult,
@@ -38,14 +38,15 @@ MAX_POINTS = 2000  # per curve: longer runs are thinned evenly (spikes are alway
 TRAIN_TASKS = "train"
 
 
-def run_prefix(dag_id: str, run_id: str) -> str:
-    return f"runs/{dag_id}/{safe_run_id(run_id)}"
+def run_prefix(storage: Storage, dag_id: str, run_id: str) -> str:
+    """The run's storage prefix (a run an earlier Ballast wrote: its old one)."""
+    return run_key_for_reading(storage, dag_id, run_id)
 
 
 def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None = None) -> dict[str, Any] | None:
     """The view of one run, or None when storage holds nothing of it (no such run, or not started)."""
     now = time.time() if now is None else now
-    prefix = run_prefix(dag_id, run_id)
+    prefix = run_prefix(storage, dag_id, run_id)
     if not any(True for _ in _first(storage.list(prefix + "/"))):
         return None
     r = Reader(storage, prefix)
@@ -93,6 +94,8 @@ def pipeline_summary(storage: Storage, dag_id: str, *, limit: int = 200) -> dict
         r = Reader(storage, f"runs/{dag_id}/{run}")
         history = _history(r, storage, f"runs/{dag_id}/{run}")
         report = r.raw("report.json", 64)  # only whether it exists
+        effective = r.record("spec.json", EffectiveSpec)
+        run = (effective.run_id if effective is not None else None) or run  # the exact id, for the run's link
         if history is None:
             state = next((v for k, v in r.states.items() if k.startswith("attempts/")), "missing")
             rows.append({"run": run, "state": state, "finished": report is not None})
