@@ -4,6 +4,7 @@ quarantined and the one before it used. Policy and bad-input checks run in proce
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -80,6 +81,8 @@ def test_each_class_adapts_the_next_try_and_the_report_sums_the_tries(airflow_db
     card = json.loads(ctx.storage.read_bytes(report.model_card.split(str(ctx.storage.uri).rstrip("/") + "/")[-1]))
     assert card["lineage"]["dataset_id"] == report.stages.convert.dataset_id
     assert len(card["lineage"]["attempts"][0]["attempts"]) == 7
+    weights = ctx.storage.read_bytes(report.model.split(str(ctx.storage.uri).rstrip("/") + "/")[-1])
+    assert card["weights_sha256"] == hashlib.sha256(weights).hexdigest()  # what every load checks
 
 
 @pytest.mark.e2e

@@ -14,6 +14,7 @@ from pathlib import Path
 from ballast.context import RunContext, safe_run_id
 from ballast.records import PublishResult, RecoverySummary, RunReport, StageRecords, TrainingOutcome
 from ballast.recovery import history
+from ballast.storage import sha256_file
 
 
 def run(ctx: RunContext) -> PublishResult:
@@ -37,6 +38,8 @@ def run(ctx: RunContext) -> PublishResult:
         "input": spec.dataset.features[0].model_dump(), "num_classes": recorded["num_classes"],
         "test": test.model_dump(mode="json"),
         "dataset_id": conv.dataset_id, "checkpoint": str(best), "checkpoint_step": ver.best.step,
+        # Checked by every reader of the published weights (`ballast.registry.weights`).
+        "weights_sha256": sha256_file(best / "model.pt"),
         "training": training.model_dump(mode="json"),
         "spec": spec.model_dump(mode="json"), "published": time.time(),
         "load_with": "torch.load(path, weights_only=True) -> state_dict for"
