@@ -7,8 +7,9 @@ config) to the pipeline's storage; each node then, on its own:
    (`ballast.stages.warm_cache.warm`), every stage before training starts;
 2. finds the checkpoints: with a shared file system (storage is a path every node sees, as on a Slurm
    cluster) training commits straight into the run's checkpoint directory; with object storage the
-   node pulls the committed checkpoints first and pushes each newly committed one back (files, then
-   manifest, then the COMMITTED marker), while training runs and once it ends;
+   node pulls the checkpoint it resumes from (only that one) and pushes each newly committed one back
+   (files, then manifest, then the COMMITTED marker; storage pruned to keep_last), while training runs
+   and once it ends;
 3. runs the torchrun launcher (`training.launch`) with the c10d rendezvous endpoint of node 0
    ($BALLAST_RDZV_ENDPOINT) and exits with its exit code, after its failure record and summary are in
    storage.
@@ -31,7 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ballast import checkpoint_sync
+from ballast import cachedir, checkpoint_sync
 from ballast.backends import NODE_RANK_ENV, RDZV_ENV
 
 log = logging.getLogger("ballast.node")
@@ -122,6 +123,7 @@ def run(job: NodeJob, rank: int) -> int:
                      task_id=job.task_id, spec_file=job.spec_file)
     log.info("node %d of %d on %s: try %d of %s", rank, spec.training.nodes, host, job.try_number, job.dag_id)
     cache = warm(ctx, list(range(len(spec.cache.stages))), record_progress=False)
+    cachedir.hold(Path(cache.cache_dir))  # not evicted by another run's warm-up while this node trains
     shared = ctx.storage.local_path(ctx.run_key) is not None
     if shared:
         out_dir, ckpt_dir = Path(job.out_dir), Path(job.checkpoint_dir)
@@ -130,8 +132,8 @@ def run(job: NodeJob, rank: int) -> int:
         work = Path(os.environ.get("BALLAST_WORK_DIR") or ctx.work_dir) / f"try-{job.try_number}-node{rank}"
         out_dir, ckpt_dir = work / "train", work / "checkpoints"
         out_dir.mkdir(parents=True, exist_ok=True)
-        pulled = checkpoint_sync.pull(ctx, ckpt_dir)
-        log.info("checkpoints from storage: %s", ", ".join(pulled) or "none")
+        pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir)
+        log.info("resuming from storage's %s", ", ".join(pulled) or "nothing (no checkpoint)")
     cfg = RunConfig.model_validate(job.run_config)
     micro = os.environ.get("BALLAST_MICRO_BATCH_SIZE")
     batch = cfg.batch if not micro else cfg.batch.model_copy(update={

@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
+from ballast import cachedir
 from ballast.context import RunContext
 from ballast.errors import Cancelled, CheckpointError, ConfigError, LaunchError, SpecError, failure_class, training_error
 from ballast.launch_spec import run_config, torchrun_argv
@@ -53,7 +54,8 @@ def run(ctx: RunContext) -> TrainResult:
     hist = history.put(hist, attempt)
     history.save(ctx, hist)
     try:
-        result = _train(ctx, cache, out_dir, ckpt_dir, settings)
+        with cachedir.in_use(Path(cache.cache_dir)):  # no other run's warm-up evicts what this try reads
+            result = _train(ctx, cache, out_dir, ckpt_dir, settings)
     except BaseException as exc:
         # The task is being stopped (SIGTERM -> on_kill, an interrupt) or training was cancelled under it.
         cancelled = isinstance(exc, Cancelled) or not isinstance(exc, Exception) or was_cancelled(out_dir)

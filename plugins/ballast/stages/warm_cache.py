@@ -11,9 +11,11 @@ validation set at its first evaluation.
 
 A file counts as cached only once its size and sha256 match the manifest: it is streamed into
 `.<name>.part`, hashed while written, and renamed only when it matches. A re-run skips verified
-files and resumes a partial download from where it stopped. Object keys that would leave the cache
-directory are refused, and a phase that would exceed the byte budget or the free disk is refused
-before it starts.
+files and resumes a partial download from where it stopped. The cache is the node's, shared by its
+runs (`ballast.cachedir`): one writer per file at a time, the dataset held against eviction while it
+is warmed, and `cache.max_bytes` counts the whole cache directory, evicting the least recently used
+datasets no try holds. Object keys that would leave the cache directory are refused, and a phase
+that would exceed the byte budget or the free disk is refused before it starts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from ballast import cachedir
 from ballast.context import RunContext
 from ballast.errors import DataError, StorageError
 from ballast.progress import Progress
@@ -79,8 +82,15 @@ def fetch(storage: Storage, key: str, dst: Path, entry: dict) -> int:
 
     Returns the bytes transferred (less than the size when a partial download was resumed).
     """
-    part = dst.with_name(f".{dst.name}.part")
     dst.parent.mkdir(parents=True, exist_ok=True)
+    with cachedir.writing(dst):  # another run may be fetching the same file: it waits, then finds it here
+        if dst.is_file() and verified(dst, entry):
+            return 0
+        return _fetch(storage, key, dst, entry)
+
+
+def _fetch(storage: Storage, key: str, dst: Path, entry: dict) -> int:
+    part = dst.with_name(f".{dst.name}.part")
     digest = hashlib.sha256()
     start = part.stat().st_size if part.exists() else 0
     if start > entry["bytes"]:
@@ -118,13 +128,17 @@ def warm(ctx: RunContext, phase_indices: list[int], *, record_progress: bool = T
     """Warm the phases `phase_indices` (0-based indices into `cache.stages`) into the node-local cache.
     `record_progress`: write the stability view's progress record (the train task's own warm-up; not a
     cluster node's, whose peers warm at the same time)."""
-    spec = ctx.spec
     conv = ctx.result("convert")
-    prefix = conv.prefix
-    manifest = json.loads(ctx.storage.read_bytes(f"{prefix}/manifest.json"))
-    fmt = spec.train_format
-    cache_dir = ctx.cache_root / spec.name / conv.dataset_id
+    manifest = json.loads(ctx.storage.read_bytes(f"{conv.prefix}/manifest.json"))
+    cache_dir = ctx.cache_root / ctx.spec.name / conv.dataset_id
     cache_dir.mkdir(parents=True, exist_ok=True)
+    with cachedir.in_use(cache_dir):
+        return _warm(ctx, phase_indices, manifest, cache_dir, record_progress=record_progress)
+
+
+def _warm(ctx: RunContext, phase_indices: list[int], manifest: dict, cache_dir: Path, *,
+          record_progress: bool) -> WarmCacheResult:
+    spec, prefix, fmt = ctx.spec, ctx.result("convert").prefix, ctx.spec.train_format
     for f in manifest["files"]:
         safe_join(cache_dir, f["path"])  # a manifest with one key escaping the cache is refused whole
     phases = plan_phases(manifest, fmt, [s.fraction for s in spec.cache.stages],
@@ -141,10 +155,12 @@ def warm(ctx: RunContext, phase_indices: list[int], *, record_progress: bool = T
             if not verified(dst, e):
                 todo.append((e, dst))
         need = sum(e["bytes"] for e, _ in todo)
-        used = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file() and not p.name.endswith(".part"))
-        if budget is not None and used + need > budget:
-            raise StorageError(f"cache.max_bytes: stage {phase_spec.name!r} needs {need} more bytes in {cache_dir}"
-                               f" ({used} used, budget {budget}); raise cache.max_bytes or free the cache")
+        if budget is not None and need:
+            used, busy = cachedir.make_room(ctx.cache_root, keep=cache_dir, need=need, budget=budget, log=ctx.log)
+            if used + need > budget:
+                raise StorageError(f"cache.max_bytes: stage {phase_spec.name!r} needs {need} more bytes in"
+                                   f" {ctx.cache_root} ({used} used, {len(busy)} other datasets in use, budget"
+                                   f" {budget}); raise cache.max_bytes or free the cache")
         free = shutil.disk_usage(cache_dir).free
         if need > free:
             raise StorageError(f"cache.directory: {cache_dir} has {free} bytes free, stage {phase_spec.name!r}"

@@ -1,0 +1,97 @@
+"""The node-local cache is shared by every run on the node (issue 21, item 9): concurrent warm-ups of one
+dataset both succeed, and `cache.max_bytes` covers the whole cache directory, evicting the least recently
+used datasets that no running try holds."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ballast import cachedir
+from ballast.errors import StorageError
+from ballast.stages import convert, validate, warm_cache
+from helpers import make_ctx, run_chain
+
+pytestmark = pytest.mark.integration
+
+
+class _Slow:
+    """A storage read stream that hands out small pieces slowly: two warm-ups overlap on every file."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def read(self, n=-1):
+        time.sleep(0.002)
+        return self._stream.read(min(n, 4096) if n and n > 0 else 4096)
+
+    def close(self):
+        self._stream.close()
+
+
+def test_two_runs_warming_the_same_dataset_at_once_both_succeed(tmp_path, digits_raw):
+    first = make_ctx(tmp_path, digits_raw)
+    conv = run_chain(first, validate, convert)["convert"]
+    second = make_ctx(tmp_path, digits_raw, run_id="backfill__2026-01-01T00:00:00+00:00")
+    second.save_result("convert", conv)
+    for ctx in (first, second):
+        opener = ctx.storage.open_read
+        ctx.storage.open_read = lambda key, start=0, _open=opener: _Slow(_open(key, start))
+    start, results, errors = threading.Barrier(2), {}, []
+
+    def warm(ctx):
+        start.wait()
+        try:
+            results[ctx.run_id] = warm_cache.warm(ctx, [0, 1])
+        except Exception as exc:  # noqa: BLE001  (reported below, by run)
+            errors.append(f"{ctx.run_id}: {exc}")
+
+    threads = [threading.Thread(target=warm, args=(c,)) for c in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 2
+    a, b = results.values()
+    assert a.cache_dir == b.cache_dir
+    fetched = sum(p.downloaded for r in (a, b) for p in r.phases)
+    manifest_files = sum(p.files for p in a.phases)
+    assert fetched >= manifest_files  # every file came in once (the other run found it verified or waited for it)
+    assert not [p for p in Path(a.cache_dir).rglob("*.part")]
+
+
+def _old_dataset(root: Path, name: str, size: int, age: float) -> Path:
+    d = root / "other_pipeline" / name
+    d.mkdir(parents=True)
+    (d / "data.bin").write_bytes(b"x" * size)
+    os.utime(d, (time.time() - age, time.time() - age))
+    return d
+
+
+def test_max_bytes_covers_the_whole_cache_evicting_the_least_recently_used_dataset_not_in_use(tmp_path, digits_raw):
+    probe = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(directory=str(tmp_path / "probe")))
+    conv = run_chain(probe, validate, convert)["convert"]
+    warm_cache.warm(probe, [0, 1])
+    need = cachedir.usage(tmp_path / "probe")  # what the dataset takes in a cache
+    root = tmp_path / "cache"
+    oldest = _old_dataset(root, "oldest", 400_000, age=3000)
+    held = _old_dataset(root, "held", 400_000, age=2000)  # older than `newer`, but a running try reads it
+    newer = _old_dataset(root, "newer", 400_000, age=1000)
+    ctx = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(max_bytes=need + 900_000))
+    ctx.save_result("convert", conv)
+    with cachedir.in_use(held):
+        warm_cache.warm(ctx, [0, 1])
+    assert not oldest.exists() and held.exists() and newer.exists()  # one eviction was enough
+    assert cachedir.usage(root) <= need + 900_000
+    # A budget that the datasets in use and this one cannot fit in: refused, the dataset in use kept.
+    other_root = tmp_path / "cache2"
+    busy = _old_dataset(other_root, "busy", 400_000, age=5000)
+    tight = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(max_bytes=need + 100_000,
+                                                                       directory=str(other_root)))
+    tight.save_result("convert", conv)
+    with cachedir.in_use(busy), pytest.raises(StorageError, match=r"cache\.max_bytes: .* in use"):
+        warm_cache.warm(tight, [0, 1])
+    assert busy.exists()
