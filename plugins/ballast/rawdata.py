@@ -13,7 +13,7 @@ from typing import Any
 from ballast.context import RunContext
 from ballast.errors import DataError
 from ballast.spec import DatasetSpec, FieldSpec
-from ballast.storage import S3Storage, ballast_home, resolve_local
+from ballast.storage import S3Storage, ballast_home, resolve_local, safe_join
 
 _INT = ("int32", "int64", "uint8")
 _FLOAT = ("float32", "float64")
@@ -30,7 +30,7 @@ def raw_files(ctx: RunContext) -> list[Path]:
         local_root = ballast_home() / "raw" / hashlib.sha256(location.encode()).hexdigest()[:16]
         paths = []
         for key in keys:
-            dst = local_root / key
+            dst = safe_join(local_root, key)
             if not dst.exists() or dst.stat().st_size != store.size(key):
                 store.download(key, dst)
             paths.append(dst)

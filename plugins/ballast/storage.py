@@ -3,15 +3,21 @@
 Keys are relative POSIX paths. A key that would escape the root (`..`, an absolute path) is refused.
 Writes are never visible half-done: local files are written under a temporary name and renamed; S3
 objects only appear once their (multipart) upload completes.
+
+Listings name a directory, with or without its final '/': `raw/digits` is `raw/digits/` and never
+reaches `raw/digits_old/`. Both backends answer a listing alike: keys in S3's order (of the key
+strings), names starting with '.' left out (a local write in progress), read lazily (S3 a page at a
+time), with an optional `limit` and an explicit `name_prefix` for a partial name inside the directory.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from ballast.errors import StorageError
 from training.checkpoint import sha256_file  # noqa: F401  (one implementation, re-exported for the stages)
@@ -25,6 +31,32 @@ def safe_key(key: str) -> str:
     if p.is_absolute() or ".." in p.parts:
         raise StorageError(f"object key {key!r} would escape its directory (absolute or '..'); refused")
     return str(p)
+
+
+def as_directory(directory: str) -> str:
+    """A listing's directory as a key prefix: "" for the root, else the safe key with one final '/'."""
+    return "" if directory.strip("/") == "" else safe_key(directory) + "/"
+
+
+def _listing(directory: str, name_prefix: str, limit: int | None) -> str:
+    """Check a listing's arguments; the directory as a key prefix."""
+    if "/" in name_prefix or "\\" in name_prefix or "\x00" in name_prefix:
+        raise StorageError(f"list {directory!r}: name_prefix {name_prefix!r}: a name, not a path; list the"
+                           f" directory it is in")
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise StorageError(f"list {directory!r}: limit must be a whole number >= 0 (got {limit!r})")
+    return as_directory(directory)
+
+
+def _listed(rel: str) -> bool:
+    """Whether a key relative to a listed directory is one both backends list: a file (no final '/'),
+    no name starting with '.', and a key this interface can address as it is."""
+    parts = rel.split("/")
+    return bool(rel) and all(parts) and not any(p.startswith(".") or p == ".." for p in parts)
+
+
+def _limited(items: Iterable[str], limit: int | None) -> Iterator[str]:
+    return iter(items) if limit is None else itertools.islice(items, limit)
 
 
 def safe_join(root: Path, key: str) -> Path:
@@ -68,7 +100,22 @@ class Storage:
     def upload(self, local: Path, key: str) -> None: ...
     def download(self, key: str, local: Path) -> None: ...
     def size(self, key: str) -> int: ...
-    def list(self, prefix: str) -> Iterator[str]: ...
+    def delete(self, key: str) -> None:
+        """Remove one object; nothing happens when it is not there."""
+        raise NotImplementedError
+
+    def list(self, directory: str, *, name_prefix: str = "", limit: int | None = None) -> Iterator[str]:
+        """Keys of the files under `directory` at any depth, in key order, read lazily. `directory` is a
+        directory with or without its final '/' ("" is the root). `name_prefix`: only what lies under
+        the directory's entries whose name starts with it (`list("stages/", name_prefix="round_")`);
+        `limit`: at most that many keys."""
+        raise NotImplementedError
+
+    def list_dir(self, directory: str, *, name_prefix: str = "", limit: int | None = None) -> Iterator[str]:
+        """Names of `directory`'s own entries in key order: a file as `name`, a subdirectory as `name/`
+        (one request a page on S3, however many files lie below); `name_prefix` and `limit` as in `list`."""
+        raise NotImplementedError
+
     def open_read(self, key: str, start: int = 0) -> BinaryIO:
         """A stream of the object's bytes from offset `start` (for resuming a partial download)."""
         raise NotImplementedError
@@ -78,7 +125,9 @@ class Storage:
         return None
 
     def describe(self, key: str) -> str:
-        return f"{self.uri.rstrip('/')}/{safe_key(key)}"
+        if key.strip("/") == "":
+            return f"{self.uri.rstrip('/')}/"
+        return f"{self.uri.rstrip('/')}/{safe_key(key)}" + ("/" if key.endswith("/") else "")
 
 
 class LocalStorage(Storage):
@@ -116,7 +165,21 @@ class LocalStorage(Storage):
         atomic_copy(src, Path(local))
 
     def size(self, key: str) -> int:
-        return self._path(key).stat().st_size
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.describe(key)}: no such file") from exc
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        for parent in path.parents:  # no empty directory left behind: it would list as a run or a checkpoint
+            if parent == self.root or self.root not in parent.parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
 
     def open_read(self, key: str, start: int = 0) -> BinaryIO:
         try:
@@ -126,164 +189,34 @@ class LocalStorage(Storage):
         fh.seek(start)
         return fh
 
-    def list(self, prefix: str) -> Iterator[str]:
-        base = self._path(prefix) if prefix else self.root
-        if not base.exists():
-            return
-        for p in sorted(base.rglob("*")):
-            if p.is_file() and not p.name.startswith("."):
-                yield p.relative_to(self.root).as_posix()
+    def list(self, directory: str, *, name_prefix: str = "", limit: int | None = None) -> Iterator[str]:
+        d = _listing(directory, name_prefix, limit)
+        return _limited(self._walk(d, name_prefix), limit)
 
+    def list_dir(self, directory: str, *, name_prefix: str = "", limit: int | None = None) -> Iterator[str]:
+        d = _listing(directory, name_prefix, limit)
+        return _limited((name for name, _ in self._entries(d, name_prefix)), limit)
 
-class S3Storage(Storage):
-    """S3 or any S3-compatible endpoint, through boto3 (imported only when used)."""
+    def _walk(self, d: str, name_prefix: str = "") -> Iterator[str]:
+        for name, _ in self._entries(d, name_prefix):
+            if name.endswith("/"):
+                yield from self._walk(d + name)
+            else:
+                yield d + name
 
-    def __init__(self, uri: str, *, conn_id: str | None = None, retry_mode: str = "adaptive", max_attempts: int = 8,
-                 multipart_chunk_mb: int = 16, transfer_concurrency: int = 8):
-        self.retry_mode, self.max_attempts = retry_mode, max_attempts
-        self.chunk = multipart_chunk_mb * 1024 * 1024
-        self.transfer_concurrency = transfer_concurrency
-        rest = uri[len("s3://"):]
-        self.bucket, _, prefix = rest.partition("/")
-        self.prefix = prefix.strip("/")
-        self.uri = uri.rstrip("/")
-        self.conn_id = conn_id
-        self._client = None
-
-    def _key(self, key: str) -> str:
-        key = safe_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    @property
-    def client(self):
-        if self._client is None:
-            import boto3
-            from botocore.config import Config
-
-            kwargs = _s3_connection_kwargs(self.conn_id)
-            self._client = boto3.client(
-                "s3", config=Config(retries={"mode": self.retry_mode, "max_attempts": self.max_attempts},
-                                    max_pool_connections=max(10, 2 * self.transfer_concurrency)), **kwargs)
-        return self._client
-
-    @property
-    def transfer(self):
-        from boto3.s3.transfer import TransferConfig
-
-        return TransferConfig(multipart_threshold=self.chunk, multipart_chunksize=self.chunk,
-                              max_concurrency=self.transfer_concurrency)
-
-    def _error(self, what: str, key: str, exc: Exception) -> StorageError:
-        code = (getattr(exc, "response", None) or {}).get("Error", {}).get("Code", "")
-        hint = {"NoSuchBucket": f"bucket {self.bucket!r} does not exist",
-                "404": "no such object", "NoSuchKey": "no such object", "NotFound": "no such object",
-                "InvalidAccessKeyId": "credentials refused", "SignatureDoesNotMatch": "credentials refused",
-                "AccessDenied": "access denied", "403": "access denied"}.get(code, code or str(exc))
-        return StorageError(f"{self.describe(key)}: {what} failed: {hint}")
-
-    def _call(self, what: str, key: str, fn, *args, **kwargs):
-        from botocore.exceptions import BotoCoreError, ClientError
-
+    def _entries(self, d: str, name_prefix: str) -> list[tuple[str, os.DirEntry]]:
+        """(name, entry) of a directory's files and subdirectories (`name/`), sorted as S3 sorts keys
+        (`a-c` before `a/b`); symbolic links to directories are not followed."""
         try:
-            return fn(*args, **kwargs)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._error(what, key, exc) from exc
-
-    def exists(self, key: str) -> bool:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-            return True
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise self._error("head", key, exc) from exc
-        except BotoCoreError as exc:
-            raise self._error("head", key, exc) from exc
-
-    def read_bytes(self, key: str) -> bytes:
-        resp = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
-        return resp["Body"].read()
-
-    def write_bytes(self, key: str, data: bytes) -> None:
-        self._call("write", key, self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
-
-    def upload(self, local: Path, key: str) -> None:
-        # Multipart above the chunk size; S3 shows the object only once the upload completes.
-        self._call("upload", key, self.client.upload_file, str(local), self.bucket, self._key(key),
-                   Config=self.transfer)
-
-    def download(self, key: str, local: Path) -> None:
-        local = Path(local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.part")
-        try:
-            self._call("download", key, self.client.download_file, self.bucket, self._key(key), str(tmp),
-                       Config=self.transfer)
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def open_read(self, key: str, start: int = 0) -> BinaryIO:
-        extra = {"Range": f"bytes={start}-"} if start else {}
-        body = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key), **extra)["Body"]
-        return _Stream(body, lambda exc: self._error(f"read from byte {start}", key, exc))
-
-    def size(self, key: str) -> int:
-        return int(self._call("head", key, self.client.head_object, Bucket=self.bucket,
-                              Key=self._key(key))["ContentLength"])
-
-    def list(self, prefix: str) -> Iterator[str]:
-        full = self._key(prefix) if prefix else self.prefix
-        paginator = self.client.get_paginator("list_objects_v2")
-        pages = self._call("list", prefix, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=full)))
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        for page in pages:
-            for obj in page.get("Contents", []):
-                yield obj["Key"][strip:]
-
-
-class _Stream:
-    """An object body whose read errors (timeouts, connections dropped mid-object) are StorageErrors."""
-
-    def __init__(self, body, error):
-        self.body, self.error = body, error
-
-    def read(self, n: int = -1) -> bytes:
-        from botocore.exceptions import BotoCoreError
-
-        try:
-            return self.body.read(n)
-        except BotoCoreError as exc:
-            raise self.error(exc) from exc
-
-    def close(self) -> None:
-        self.body.close()
-
-    def __enter__(self) -> _Stream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _s3_connection_kwargs(conn_id: str | None) -> dict:
-    """Endpoint and credentials from an Airflow connection, else boto3's standard environment chain."""
-    if not conn_id:
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return {"endpoint_url": endpoint} if endpoint else {}
-    from airflow.sdk import BaseHook
-
-    conn = BaseHook.get_connection(conn_id)
-    extra = conn.extra_dejson or {}
-    kwargs = {
-        "aws_access_key_id": conn.login or extra.get("aws_access_key_id"),
-        "aws_secret_access_key": conn.password or extra.get("aws_secret_access_key"),
-        "region_name": extra.get("region_name"),
-        "endpoint_url": extra.get("endpoint_url") or (conn.host or None),
-    }
-    return {k: v for k, v in kwargs.items() if v}
+            with os.scandir(self._path(d) if d else self.root) as it:
+                found = [(e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e) for e in it
+                         if not e.name.startswith(".") and e.name.startswith(name_prefix)
+                         and (e.is_dir(follow_symlinks=False) or e.is_file())]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise StorageError(f"{self.describe(d)}: list failed: {exc}") from exc
+        return sorted(found, key=lambda item: item[0])
 
 
 def ballast_home() -> Path:
@@ -299,5 +232,16 @@ def resolve_local(location: str) -> Path:
 def open_storage(uri: str, conn_id: str | None = None, **s3_options) -> Storage:
     """The storage a spec names; s3_options: retry_mode, max_attempts, multipart_chunk_mb, transfer_concurrency."""
     if uri.startswith("s3://"):
+        from ballast.storage_s3 import S3Storage
+
         return S3Storage(uri, conn_id=conn_id, **s3_options)
     return LocalStorage(resolve_local(uri))
+
+
+def __getattr__(name: str):
+    """`S3Storage` (and its `_Stream`) live in ballast.storage_s3, imported when first named here."""
+    if name in ("S3Storage", "_Stream"):
+        from ballast import storage_s3
+
+        return getattr(storage_s3, name)
+    raise AttributeError(f"module 'ballast.storage' has no attribute {name!r}")
