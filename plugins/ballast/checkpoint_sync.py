@@ -1,51 +1,181 @@
 """Checkpoints between a node's disk and the pipeline's object storage, with the commit protocol kept:
 a checkpoint is pushed files first, then manifest.json, then COMMITTED, and pulled the same way, so a
-reader on either side applies the same predicate (`training.checkpoint.committed`). Nothing to do when
-storage is a path (a shared file system): training commits there directly.
+reader on either side applies the same predicate. Nothing to do when storage is a path (a shared file
+system): training commits there directly.
+
+What decides validity is `training.checkpoint.verify` (the marker, and every file matching the
+manifest's size and sha256), as on resume: a checkpoint is pushed only once it verifies on this disk,
+and a pulled copy is used only once it verifies here. In storage, where reading every file back would
+cost a download, a checkpoint counts as committed when its marker and manifest are there and every
+file the manifest lists is present (`stored_files`); the push verified it, the pull verifies it again.
+
+Storage is pruned as the disk is (`checkpoint.keep_last`, besides the best one), and a node pulls only
+what it resumes from (`pull_for_resume`): a long run neither fills the bucket nor a restarted pod's disk.
+Removing or replacing a checkpoint in storage takes its marker away first.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 from ballast.context import RunContext
-from ballast.storage import safe_join
+from ballast.errors import StorageError
+from ballast.storage import Storage, safe_join
 
 
-def pull(ctx: RunContext, ckpt_dir: Path) -> list[str]:
-    """The committed checkpoints in storage that this node lacks, copied marker last."""
+def _prefix(ctx: RunContext) -> str:
+    return f"{ctx.run_key}/checkpoints/"
+
+
+def stored(storage: Storage, prefix: str) -> list[str]:
+    """The checkpoint directories (`step-NNNNNNNN`) under `prefix` in storage, oldest first."""
     from training import checkpoint as ckpt
 
-    prefix = f"{ctx.run_key}/checkpoints/"
-    names = sorted({k[len(prefix):].split("/", 1)[0] for k in ctx.storage.list(prefix)})
-    have = {p.name for p in ckpt.committed(ckpt_dir)} if ckpt_dir.exists() else set()
-    pulled = []
-    for name in names:
-        if name in have or not ctx.storage.exists(f"{prefix}{name}/{ckpt.COMMIT_MARKER}"):
-            continue
-        keys = list(ctx.storage.list(f"{prefix}{name}/"))
-        dest = safe_join(ckpt_dir, name)
-        last = [k for k in keys if k.endswith("/" + ckpt.COMMIT_MARKER)]
-        for key in [k for k in keys if k not in last] + last:
-            ctx.storage.download(key, safe_join(dest, key[len(f"{prefix}{name}/"):]))
-        pulled.append(name)
-    return pulled
+    names = (n.rstrip("/") for n in storage.list_dir(prefix) if n.endswith("/"))
+    return sorted((n for n in names if ckpt.step_of_name(n) is not None), key=ckpt.step_of_name)
+
+
+def stored_files(storage: Storage, prefix: str, name: str) -> list[str] | None:
+    """The files of checkpoint `name` in storage, the marker last, if it is committed there (its marker,
+    its manifest and every file the manifest lists); None if it is not."""
+    from training import checkpoint as ckpt
+
+    base = f"{prefix}{name}/"
+    present = set(storage.list_dir(base))
+    if ckpt.COMMIT_MARKER not in present or ckpt.MANIFEST not in present:
+        return None
+    try:
+        files = json.loads(storage.read_bytes(base + ckpt.MANIFEST))["files"]
+        listed = sorted(files)
+    except (StorageError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if any("/" in f or f.startswith(".") or f in (ckpt.MANIFEST, ckpt.COMMIT_MARKER) or f not in present
+           for f in listed):
+        return None
+    return [*listed, ckpt.MANIFEST, ckpt.COMMIT_MARKER]
+
+
+def pull_for_resume(ctx: RunContext, ckpt_dir: Path) -> list[str]:
+    """What a node resumes from, and nothing else: the newest checkpoint in storage that verifies here
+    (the last `resume_average_last` of them when resuming from their average); none without resume."""
+    settings = ctx.spec.training.checkpoint
+    return pull(ctx, ckpt_dir, newest=max(1, settings.resume_average_last) if settings.resume else 0)
+
+
+def pull(ctx: RunContext, ckpt_dir: Path, *, newest: int | None = None) -> list[str]:
+    """Copy the committed checkpoints in storage that this disk lacks, newest first, until `newest` of
+    them are here (None: all); the names pulled, oldest first. Each is downloaded beside its final place
+    and moved there only once it verifies; one that does not is logged and skipped."""
+    from training import checkpoint as ckpt
+
+    prefix = _prefix(ctx)
+    have = {p.name for p in ckpt.committed(ckpt_dir)}
+    pulled, ready = [], 0
+    for name in reversed(stored(ctx.storage, prefix)):
+        if newest is not None and ready >= newest:
+            break
+        if name in have or _pull_one(ctx, prefix, name, ckpt_dir):
+            ready += 1
+            pulled += [] if name in have else [name]
+    return sorted(pulled)
+
+
+def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path) -> bool:
+    from training import checkpoint as ckpt
+
+    files = stored_files(ctx.storage, prefix, name)
+    if files is None:
+        return False
+    tmp, final = safe_join(ckpt_dir, f".{name}.pull"), safe_join(ckpt_dir, name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for f in files:
+            ctx.storage.download(f"{prefix}{name}/{f}", tmp / f)
+        ckpt.verify(tmp)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-pulled directory stays on the disk
+        if not isinstance(exc, ckpt.CheckpointFailure):
+            raise  # storage unreachable: the try fails and is retried, rather than resuming from older
+        ctx.log.warning("checkpoint in storage skipped: %s (%s)", ctx.storage.describe(f"{prefix}{name}"), exc)
+        return False
+    if final.exists():  # left by an earlier pull or save that did not finish: not trusted, replaced
+        ckpt.uncommit(final)
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return True
 
 
 def push(ctx: RunContext, ckpt_dir: Path) -> list[str]:
-    """Committed checkpoints not yet in storage: files first, then manifest.json, then COMMITTED (a
-    reader of storage applies the same predicate as on local disk)."""
+    """Committed checkpoints of this disk not yet in storage, each once it verifies: files first, then
+    manifest.json, then COMMITTED. One that storage holds with another manifest (the same step saved
+    again after a resume) is replaced, its marker in storage removed first. Then storage is pruned."""
     from training import checkpoint as ckpt
 
-    done = []
-    for path in ckpt.committed(ckpt_dir) if ckpt_dir.exists() else []:
-        prefix = f"{ctx.run_key}/checkpoints/{path.name}"
-        if ctx.storage.exists(f"{prefix}/{ckpt.COMMIT_MARKER}"):
+    prefix, done = _prefix(ctx), []
+    for path in ckpt.committed(ckpt_dir):
+        base = f"{prefix}{path.name}/"
+        there = stored_files(ctx.storage, prefix, path.name) is not None
+        if there and ctx.storage.read_bytes(base + ckpt.MANIFEST) == (path / ckpt.MANIFEST).read_bytes():
             continue
-        files = sorted(p.name for p in path.iterdir() if p.is_file())
-        order = [f for f in files if f not in (ckpt.MANIFEST, ckpt.COMMIT_MARKER)] + [ckpt.MANIFEST, ckpt.COMMIT_MARKER]
-        for name in order:
-            ctx.storage.upload(path / name, f"{prefix}/{name}")
-        done.append(ctx.storage.describe(prefix))
-        ctx.log.info("checkpoint uploaded: %s", ctx.storage.describe(prefix))
+        try:
+            files = list(ckpt.verify(path)["files"])
+        except ckpt.CheckpointFailure as exc:
+            ctx.log.warning("checkpoint not uploaded: %s", exc)
+            continue
+        _remove(ctx.storage, base, keep=set(files))
+        for name in sorted(files) + [ckpt.MANIFEST, ckpt.COMMIT_MARKER]:
+            ctx.storage.upload(path / name, base + name)
+        done.append(ctx.storage.describe(base.rstrip("/")))
+        ctx.log.info("checkpoint uploaded: %s", ctx.storage.describe(base.rstrip("/")))
+    if done:
+        prune(ctx)
     return done
+
+
+def prune(ctx: RunContext) -> list[str]:
+    """Delete the checkpoints in storage older than the newest `checkpoint.keep_last` committed there,
+    except the best one (as the newest records it): what `training.checkpoint.prune` does on the disk."""
+    from training import checkpoint as ckpt
+
+    prefix, keep_last = _prefix(ctx), ctx.spec.training.checkpoint.keep_last
+    names = stored(ctx.storage, prefix)
+    kept: list[str] = []
+    for name in reversed(names):
+        if len(kept) >= keep_last:
+            break
+        if stored_files(ctx.storage, prefix, name) is not None:
+            kept.append(name)
+    if len(kept) < keep_last:
+        return []
+    best = _best_step(ctx.storage, f"{prefix}{kept[0]}/")
+    removed = []
+    for name in names[:names.index(kept[-1])]:
+        if ckpt.step_of_name(name) != best:
+            _remove(ctx.storage, f"{prefix}{name}/")
+            removed.append(name)
+    if removed:
+        ctx.log.info("checkpoints pruned from storage (keep_last %d): %s", keep_last, ", ".join(removed))
+    return removed
+
+
+def _best_step(storage: Storage, base: str) -> int | None:
+    from training import checkpoint as ckpt
+
+    try:
+        best = json.loads(storage.read_bytes(base + ckpt.TRAINER_STATE)).get("best")
+        return int(best["step"]) if isinstance(best, dict) else None
+    except (StorageError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _remove(storage: Storage, base: str, *, keep: set[str] = frozenset()) -> None:
+    """Delete a checkpoint directory in storage (but the files in `keep`), its marker first: a reader
+    never finds a marker over a partial directory."""
+    from training import checkpoint as ckpt
+
+    storage.delete(base + ckpt.COMMIT_MARKER)
+    for key in list(storage.list(base)):
+        if key[len(base):] not in keep:
+            storage.delete(key)

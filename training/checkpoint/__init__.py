@@ -3,7 +3,8 @@
 One module per responsibility, none of which imports torch at import time (the verification stage
 and `ballast.storage` import this package in the orchestrator):
 
-    commit    the layout, the commit protocol and the one validity predicate (`verify`, `latest_valid`)
+    commit    the layout, the commit protocol and the one validity predicate (`verify`, `latest_valid`),
+              pruning and `uncommit` (a directory loses its marker before its files)
     fileio    the O_DIRECT writer that hashes while writing, `sha256_file`, the tensor-only loader
     sharding  the optimizer state in parts, one share per rank, merged at load
     saver     the background writer (`AsyncSaver`), at idle CPU priority where asked
@@ -31,6 +32,8 @@ from training.checkpoint.commit import (
     read_trainer_state,
     recorded_model,
     step_dir_name,
+    step_of_name,
+    uncommit,
     verify,
 )
 from training.checkpoint.fileio import _FileWriter  # noqa: F401  (the tests spy on its writes)
@@ -43,5 +46,5 @@ __all__ = [
     "COMMIT_MARKER", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
     "committed", "is_committed", "latest_valid", "load_optimizer", "load_tensors", "optimizer_part",
     "optimizer_shares", "prune", "read_trainer_state", "recorded_model", "sha256_file", "staging_buffer",
-    "step_dir_name", "verify",
+    "step_dir_name", "step_of_name", "uncommit", "verify",
 ]

@@ -15,8 +15,10 @@ Layout of a checkpoint directory `step-00000040/`:
 A save writes into `.step-00000040.tmp/`, fsyncs every file, writes the manifest, renames the
 directory and then writes COMMITTED. A directory without COMMITTED, or whose files do not match its
 manifest, is invisible to `latest_valid` and refused by `verify`: a kill at any moment of a save
-leaves the previous checkpoint as the latest valid one. The resume path and the verification stage
-both decide validity through `verify`; nothing else does.
+leaves the previous checkpoint as the latest valid one. The resume path, the verification stage,
+pruning and the upload to object storage all decide validity through `verify`; nothing else does
+(`is_committed` only says which directories to ask). A checkpoint directory is removed or replaced
+marker first, so a kill while its files go leaves no marker over what remains.
 
 Importing this module does not import torch (the verification stage uses it at DAG-run time).
 """
@@ -52,6 +54,12 @@ def step_dir_name(step: int) -> str:
 
 def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
+
+
+def step_of_name(name: str) -> int | None:
+    """The step of a checkpoint directory's name (`step-00000040`: 40); None for any other name."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -208,7 +216,8 @@ class Writer:
             self.write_json(MANIFEST, {"step": self.step, "created": time.time(), "files": files})
             (self.tmp / f".{MANIFEST}.sha256").unlink(missing_ok=True)
             _fsync_dir(self.tmp)
-            if self.final.exists():  # same step saved again after a resume: replace it
+            if self.final.exists():  # same step saved again after a resume: replace it, marker first
+                uncommit(self.final)
                 shutil.rmtree(self.final)
             os.rename(self.tmp, self.final)
             marker = self.final / f".{COMMIT_MARKER}.tmp"
@@ -220,14 +229,54 @@ class Writer:
         return self.final
 
 
-def prune(root: Path, *, keep_last: int, keep: set[int] = frozenset()) -> list[Path]:
-    """Delete committed checkpoints beyond the newest `keep_last`, except steps in `keep` (the best)."""
+def uncommit(path: Path) -> None:
+    """Take a checkpoint out of the valid ones before its files are removed or replaced: its marker
+    goes first, durably, so that a kill while the rest goes leaves nothing that looks committed."""
+    path = Path(path)
+    (path / COMMIT_MARKER).unlink(missing_ok=True)
+    if path.is_dir():
+        _fsync_dir(path)
+
+
+def prune(root: Path, *, keep_last: int, keep: set[int] = frozenset(), log: Callable[[str], Any] = print,
+          memo: dict[Path, tuple] | None = None) -> list[Path]:
+    """Delete the checkpoints older than the newest `keep_last` that verify, except steps in `keep` (the
+    best). One that fails `verify` is not counted: a damaged newer checkpoint never costs a good older
+    one its place; newer than those kept, it is left for the verification gate to quarantine.
+
+    `memo` (kept by the caller from prune to prune): checkpoints already verified, by the identity of
+    their marker and manifest files, so that a save does not hash the last `keep_last` again (a
+    preemption's synchronous save waits for its prune); a checkpoint saved again has new ones."""
     done = committed(root)
+    kept, cut = 0, 0
+    for i in range(len(done) - 1, -1, -1):
+        if kept >= keep_last:
+            cut = i + 1
+            break
+        try:
+            _verify_once(done[i], memo)
+            kept += 1
+        except CheckpointFailure as exc:
+            log(f"checkpoint not counted towards keep_last: {exc}")
     removed = []
-    for path in done[:-keep_last] if keep_last else done:
+    for path in done[:cut]:
         if _step_of(path) in keep:
             continue
-        (path / COMMIT_MARKER).unlink(missing_ok=True)  # uncommit first: a partial delete is never trusted
+        uncommit(path)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def _verify_once(path: Path, memo: dict[Path, tuple] | None) -> None:
+    if memo is None:
+        verify(path)
+        return
+    try:
+        ident = tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in ((path / COMMIT_MARKER).stat(),
+                                                                     (path / MANIFEST).stat()))
+    except OSError:
+        ident = None
+    if ident is None or memo.get(path) != ident:
+        verify(path)
+        memo[path] = ident

@@ -49,6 +49,7 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self.last_path: Path | None = None
         self._staging = staging_buffer()  # one save at a time: the writer's staging buffer is reused
+        self._verified: dict[Path, tuple] = {}  # what prune has verified (commit.prune's memo)
 
     def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
              asynchronous: bool = True) -> None:
@@ -76,7 +77,7 @@ class AsyncSaver:
                     w.write_json(name, obj)
             self.last_path = w.commit()
             if self.rank == 0:
-                prune(self.root, keep_last=self.keep_last, keep=keep)
+                prune(self.root, keep_last=self.keep_last, keep=keep, log=self.log, memo=self._verified)
             if self.on_written is not None:
                 self.on_written(step, time.monotonic() - t0)
         except BaseException as exc:  # surfaced to the training thread by wait()
