@@ -133,7 +133,7 @@ def run(job: NodeJob, rank: int) -> int:
         out_dir, ckpt_dir = work / "train", work / "checkpoints"
         out_dir.mkdir(parents=True, exist_ok=True)
         pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir)
-        log.info("resuming from storage's %s", ", ".join(pulled) or "nothing (no checkpoint)")
+        log.info("checkpoints from storage: %s (what this node resumes from, no more)", ", ".join(pulled) or "none")
     cfg = RunConfig.model_validate(job.run_config)
     micro = os.environ.get("BALLAST_MICRO_BATCH_SIZE")
     batch = cfg.batch if not micro else cfg.batch.model_copy(update={
