@@ -116,8 +116,7 @@ def push(ctx: RunContext, ckpt_dir: Path) -> list[str]:
     prefix, done = _prefix(ctx), []
     for path in ckpt.committed(ckpt_dir):
         base = f"{prefix}{path.name}/"
-        there = stored_files(ctx.storage, prefix, path.name) is not None
-        if there and ctx.storage.read_bytes(base + ckpt.MANIFEST) == (path / ckpt.MANIFEST).read_bytes():
+        if _pushed(ctx.storage, base, path):
             continue
         try:
             files = list(ckpt.verify(path)["files"])
@@ -132,6 +131,17 @@ def push(ctx: RunContext, ckpt_dir: Path) -> list[str]:
     if done:
         prune(ctx)
     return done
+
+
+def _pushed(storage: Storage, base: str, path: Path) -> bool:
+    """Whether storage holds this very checkpoint: its marker (pushed last), over the same manifest."""
+    from training import checkpoint as ckpt
+
+    try:
+        return storage.exists(base + ckpt.COMMIT_MARKER) and \
+            storage.read_bytes(base + ckpt.MANIFEST) == (path / ckpt.MANIFEST).read_bytes()
+    except (StorageError, OSError):
+        return False
 
 
 def prune(ctx: RunContext) -> list[str]:
