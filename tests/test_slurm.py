@@ -71,13 +71,13 @@ def test_the_batch_script_quotes_every_value_and_the_options_are_arguments(tmp_p
                     command=(sys.executable, "-m", "ballast.node", "--job", "/data/it's here; rm -rf ~/job.json"),
                     env={"WEIRD": "a b $(id) `id` \"q\""}, capacity="on-demand", avoid_hosts=("n2",),
                     micro_batch_size=16)
-    argv = slurm_script.sbatch_argv(spec, launch, tmp_path / "job.sh", log=tmp_path / "job.log")
+    argv = slurm_script.sbatch_argv(spec, launch, tmp_path / "job.sh", log=tmp_path / "job.log", export=["PATH"])
     assert "--partition=ondemand" in argv and "--exclude=n2" in argv and "--nodes=2" in argv
     assert "--signal=TERM@60" in argv and "--no-requeue" in argv  # the notice: preempt_grace_seconds
-    script = slurm_script.batch_script(spec, launch)
+    script = slurm_script.batch_script(spec, launch, export=["PATH"])
     # bash itself reads the script back: each value arrives as one word, unexpanded.
-    probe = script.replace("exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 --export=ALL ",
-                           "printf '%s\\n' ")
+    probe = re.sub(r"exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 --export=[A-Z_,]+ ",
+                   lambda _: "printf '%s\\n' ", script)
     probe = probe.replace('"$(hostname):$((20000 + SLURM_JOB_ID % 10000))"', "x")
     out = subprocess.run(["bash", "-c", probe + '\nprintf "%s\\n" "$WEIRD"'], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -85,7 +85,8 @@ def test_the_batch_script_quotes_every_value_and_the_options_are_arguments(tmp_p
     assert words[:5] == list(launch.command) and words[-1] == "a b $(id) `id` \"q\""
     with pytest.raises(ConfigError, match="not a host name Slurm can exclude"):
         slurm_script.sbatch_argv(spec, Launch(name="x", try_number=1, nodes=1, command=("p",),
-                                              avoid_hosts=("n1,n2 --uid=0",)), tmp_path / "j.sh", log=tmp_path / "l")
+                                              avoid_hosts=("n1,n2 --uid=0",)), tmp_path / "j.sh", log=tmp_path / "l",
+                                 export=["PATH"])
 
 
 @pytest.mark.unit
@@ -357,3 +358,197 @@ def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(
 def _seconds(hms: str) -> int:
     parts = [int(p) for p in hms.replace("-", ":").split(":")]
     return sum(p * 60 ** i for i, p in enumerate(reversed(parts[-3:]))) + (parts[0] * 86400 if len(parts) == 4 else 0)
+
+
+# --- what reaches a node, and a stop that did not end the job ----------------------------------------
+
+CANARIES = {"AIRFLOW__API_AUTH__JWT_SECRET": "canary-jwt", "AIRFLOW__CORE__FERNET_KEY": "canary-fernet",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://u:canary-db@h/a",
+            "AIRFLOW_CONN_FOO": "aws://canary-login:canary-password@", "AWS_SECRET_ACCESS_KEY": "canary-aws"}
+
+
+class FakeSlurm:
+    """A stand-in for Slurm's clients (sbatch, scontrol, scancel), in place of `slurm._run`: records what
+    each was given; the job runs until a scancel that works ends it."""
+
+    def __init__(self, *, scancel_works: bool = True):
+        self.calls: list[list[str]] = []
+        self.sbatch_env: dict | None = None
+        self.state, self.scancel_works = "RUNNING", scancel_works
+
+    def __call__(self, argv, env=None):
+        self.calls.append(list(argv))
+        if argv[0] == "sbatch":
+            self.sbatch_env = dict(os.environ if env is None else env)  # None: the real _run passes the worker's
+            return subprocess.CompletedProcess(argv, 0, "4242\n", "")
+        if argv[0] == "scancel":
+            if not self.scancel_works:
+                return subprocess.CompletedProcess(argv, 1, "", "scancel: error: Kill job error on job id 4242:"
+                                                                " Access/permission denied")
+            self.state = "CANCELLED"
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        if argv[:2] == ["scontrol", "show"]:
+            return subprocess.CompletedProcess(argv, 0, f"JobId=4242 JobState={self.state} Reason=None"
+                                                        f" ExitCode=0:0 NodeList=n1 BatchHost=n1\n", "")
+        raise AssertionError(f"unexpected Slurm command {argv}")
+
+
+def _export_list(word: str) -> set[str]:
+    assert word.startswith("--export=") and "ALL" not in word.split("=", 1)[1].split(","), word
+    return set(word.split("=", 1)[1].split(","))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("storage", ["local", "s3", "s3+connection"])
+def test_sbatch_and_srun_export_only_what_the_node_needs_and_the_script_is_private_from_creation(
+        tmp_path, monkeypatch, storage):
+    import logging
+    import stat
+
+    from ballast import storage_s3
+    from ballast.backends import slurm
+    from ballast.spec import parse_spec
+
+    for name, value in {**CANARIES, "BALLAST_HOME": "/srv/ballast", "PATH": "/usr/bin:/bin",
+                        "SLURM_CONF": "/etc/slurm/slurm.conf"}.items():
+        monkeypatch.setenv(name, value)
+    d = example_data()
+    on_slurm(d)
+    if storage != "local":
+        d["storage"] = {"uri": "s3://ballast-bucket/pipelines", "conn_id": "ballast_s3" if "+" in storage else None}
+    spec = parse_spec(d)
+    monkeypatch.setattr(storage_s3, "_s3_connection_kwargs", lambda conn_id: {
+        "aws_access_key_id": "conn-key", "aws_secret_access_key": "conn-secret", "endpoint_url": "http://s3:9000"})
+    fake = FakeSlurm()
+    monkeypatch.setattr(slurm, "_run", fake)
+    modes: list[int] = []
+    real_fdopen = os.fdopen
+
+    def fdopen(fd, *args, **kwargs):  # the script's mode when it is created, before a byte is in it
+        modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        return real_fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    old_umask = os.umask(0)  # the mode must not rely on the worker's umask
+    try:
+        SlurmBackend = slurm.SlurmBackend
+        SlurmBackend(spec, tmp_path / "jobs", logging.getLogger("test")).start(
+            Launch(name="ballast-x-t1", try_number=1, nodes=2, command=(sys.executable, "-m", "ballast.node")))
+    finally:
+        os.umask(old_umask)
+    script = tmp_path / "jobs" / "ballast-x-t1.sh"
+    assert modes == [0o700] and stat.S_IMODE(script.stat().st_mode) == 0o700
+    (argv,) = [c for c in fake.calls if c[0] == "sbatch"]
+    exported = _export_list(next(w for w in argv if w.startswith("--export")))
+    env = fake.sbatch_env
+    text = script.read_text()
+    everything = " ".join(argv) + text + repr(env)
+    assert not [v for v in CANARIES.values() if v in everything.replace("canary-aws", "")] and \
+        not any(n.startswith("AIRFLOW") for n in env), env
+    assert exported == set(env) - {"SLURM_CONF"} and env["SLURM_CONF"] == "/etc/slurm/slurm.conf"
+    assert env["BALLAST_HOME"] == "/srv/ballast" and env["PATH"] == "/usr/bin:/bin"
+    if storage == "local":
+        assert not any(n.startswith("AWS_") for n in env)  # no S3: no key of it goes to the nodes
+    elif storage == "s3":
+        assert env["AWS_SECRET_ACCESS_KEY"] == "canary-aws"  # the worker's S3 credentials, the nodes need them
+    else:
+        assert env["AWS_ACCESS_KEY_ID"] == "conn-key" and env["AWS_SECRET_ACCESS_KEY"] == "conn-secret" \
+            and env["AWS_ENDPOINT_URL_S3"] == "http://s3:9000"  # the connection's, not the worker's
+    srun = next(line for line in text.splitlines() if "srun" in line)
+    srun_exports = _export_list(next(w for w in srun.split() if w.startswith("--export")))
+    assert exported | {"NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "BALLAST_RDZV_ENDPOINT"} == srun_exports
+
+
+@pytest.mark.unit
+def test_a_slurm_stop_that_did_not_end_the_job_keeps_its_lease_and_the_next_try_ends_it_first(tmp_path,
+                                                                                              monkeypatch):
+    import json
+    import logging
+
+    from ballast.backends import remote, slurm
+    from ballast.errors import LaunchError
+
+    spec = spec_on_slurm(poll_seconds=0.05)
+    fake = FakeSlurm(scancel_works=False)  # scancel refused: the job goes on running
+    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(slurm.SlurmBackend, "stop_wait_seconds", 0.3)
+    log = logging.getLogger("test")
+    out = tmp_path / "train"
+    out.mkdir()
+    backend = slurm.SlurmBackend(spec, out / "jobs", log)
+    launch = Launch(name="ballast-x-t1", try_number=1, nodes=1, command=("true",))
+    end = remote.run(backend, launch, out, log, hang_timeout=0.0, heartbeat=True)  # no heartbeat: a hang
+    assert json.loads((out / remote.LEASE).read_text())["job_id"] == "4242"  # kept: the job may still run
+    assert end.hung and end.left_running and ["scancel", "4242"] in fake.calls
+    with pytest.raises(LaunchError, match=r"remote\.json: try 1's slurm job 4242 has not ended") as err:
+        remote.end_leftovers(spec, out, out / "jobs", log)  # the next try: not beside it
+    assert err.value.failure_class == "communication" and (out / remote.LEASE).exists()
+    fake.scancel_works = True
+    fake.calls.clear()
+    lease = remote.end_leftovers(spec, out, out / "jobs", log)
+    assert lease["job_id"] == "4242" and not (out / remote.LEASE).exists()
+    assert fake.calls[0] == ["scancel", "4242"] and fake.state == "CANCELLED"
+
+
+def _stored_environment(cluster: SlurmCluster, job_id: str) -> bytes:
+    """The environment slurmctld keeps of a job (its state directory), as submitted."""
+    return b"".join(p.read_bytes() for p in (cluster.base / "spool" / "ctld").rglob(f"job.{job_id}/environment"))
+
+
+@pytest.mark.integration
+def test_a_slurm_job_gets_no_secret_of_the_workers_environment_on_its_nodes_or_in_slurm(cluster, tmp_path,
+                                                                                         monkeypatch):
+    import logging
+
+    from ballast.backends.slurm import SlurmBackend
+
+    for name, value in {**CANARIES, "BALLAST_PROBE": "probe-7f3a"}.items():
+        monkeypatch.setenv(name, value)
+    backend = SlurmBackend(spec_on_slurm(), tmp_path / "jobs", logging.getLogger("test"))
+    handle = backend.start(Launch(name="ballast-env-t1", try_number=1, nodes=2, command=("env",)))
+    stored = _stored_environment(cluster, handle["job_id"])
+    lines: list[str] = []
+    end = backend.wait(handle, on_line=lines.append, should_stop=lambda: False)
+    assert end.ok, (end, lines[-20:])
+    env = set(lines)  # each node's task prints its environment
+    assert {"BALLAST_PROBE=probe-7f3a", "NCCL_DEBUG=WARN", "SLURM_NODEID=0", "SLURM_NODEID=1"} <= env, sorted(env)
+    assert not [line for line in env if any(v in line for v in CANARIES.values())]
+    assert not [line for line in env if line.startswith(("AIRFLOW", "AWS_"))]
+    assert b"probe-7f3a" in stored, "no stored environment found to check"  # what Slurm keeps of the job
+    assert not [v for v in CANARIES.values() if v.encode() in stored]
+
+
+@pytest.mark.integration
+def test_a_slurm_job_that_outlives_its_stop_keeps_its_lease_and_the_next_try_ends_it(cluster, tmp_path):
+    import logging
+    from collections import deque
+
+    from ballast.backends import remote
+    from ballast.backends.slurm import SlurmBackend
+
+    spec = spec_on_slurm()
+    log = logging.getLogger("test")
+    out = tmp_path / "train"
+    out.mkdir()
+    backend = SlurmBackend(spec, out / "jobs", log)
+    backend.stop_wait_seconds = 1.0  # shorter than KillWait (5 s): the job below outlives the wait
+    # It ignores SIGTERM: Slurm ends it with SIGKILL KillWait after scancel.
+    launch = Launch(name="ballast-stubborn-t1", try_number=1, nodes=1,
+                    command=("/bin/sh", "-c", "trap '' TERM; echo started; exec sleep 300"))
+    tail: deque[str] = deque(maxlen=20)
+
+    def cancel_once_started():
+        deadline = time.monotonic() + 120
+        while "started" not in tail and time.monotonic() < deadline:
+            time.sleep(0.2)
+        remote.stop_all("the test stops the task")
+
+    t = threading.Thread(target=cancel_once_started, daemon=True)
+    t.start()
+    end = remote.run(backend, launch, out, log, hang_timeout=600, heartbeat=False, tail=tail)
+    t.join(timeout=10)
+    assert (out / remote.LEASE).exists()  # the job may still run: the next try must end it
+    assert end.cancelled and end.left_running, end
+    lease = remote.end_leftovers(spec, out, out / "jobs", log)  # the next try, waiting as long as it takes
+    assert lease["name"] == launch.name and not (out / remote.LEASE).exists()
+    assert cluster.jobs() == [] and cluster.leftovers() == []

@@ -61,6 +61,9 @@ class Ending:
     cancelled: bool = False
     hung: bool = False
     """Ended by Ballast for showing no progress (the hang guard), not by the platform."""
+    left_running: bool = False
+    """Ballast asked the platform to end the job and stopped waiting before it had: it may still run, so
+    its lease stays and the next try ends it before starting (two tries never train into one storage)."""
 
     @property
     def ok(self) -> bool:
@@ -72,7 +75,8 @@ class Backend(Protocol):
 
     def wait(self, handle: Any, *, on_line: Callable[[str], Any], should_stop: Callable[[], bool]) -> Ending: ...
 
-    def stop(self, handle: Any, *, reason: str) -> None: ...
+    def stop(self, handle: Any, *, reason: str) -> bool:
+        """End the job and wait (bounded) until it has; False: it had not ended when the wait gave up."""
 
 
 def job_name(dag_id: str, run_id: str, try_number: int) -> str:

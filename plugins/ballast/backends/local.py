@@ -35,8 +35,9 @@ class LocalBackend:
                                   should_stop=should_stop)
         return ending(rc, hung=hung, cancelled=handle.cancelled or supervise.was_cancelled(self.out_dir))
 
-    def stop(self, handle: supervise._Group, *, reason: str) -> None:
-        supervise.stop(handle, reason)
+    def stop(self, handle: supervise._Group, *, reason: str) -> bool:
+        supervise.stop(handle, reason)  # SIGKILL to the whole group; supervise's own lease guards what outlives it
+        return True
 
 
 def ending(rc: int, *, hung: bool = False, cancelled: bool = False) -> Ending:

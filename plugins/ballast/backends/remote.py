@@ -5,7 +5,9 @@ The same guarantees as the local supervision (`ballast.supervise`), with the pla
 - The lease. While the job runs, `<out_dir>/remote.json` names it (backend, job id or name, try).
   The next try's `end_leftovers` reads it and stops that job before starting its own: a retry never
   attaches to another try's job (its names carry the try number) and never trains beside it, even when
-  the task that started it was SIGKILLed and could not clean up.
+  the task that started it was SIGKILLed and could not clean up. The lease goes only once the job is
+  known to have ended: a stop that gave up waiting (scancel not obeyed, pods still in their grace
+  period past it) leaves it, and the next try ends that job first or does not start.
 - Cancel. The operator's on_kill (`ballast.supervise.stop_running`), an interrupt or an exception in
   the task write `<out_dir>/CANCELLED` first, then stop the job (scancel; the Job or pod deleted).
 - Hang. Where the run's storage is a shared file system, the trainers' heartbeat file is read here as
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.backends import Ending, Launch
+from ballast.errors import LaunchError
 
 LEASE = "remote.json"
 _RUNNING: dict[int, tuple[Any, dict]] = {}
@@ -85,10 +88,14 @@ def run(backend: Any, launch: Launch, out_dir: Path, log: Any, *, hang_timeout: 
             _RUNNING.pop(key, None)
     if state["hung"]:
         end = Ending(end.exit_code, host=end.host, reason="hang: ended by the orchestrator", failure_class="hang",
-                     hung=True)
+                     hung=True, left_running=end.left_running)
     elif state["cancelled"]:
-        end = Ending(end.exit_code, host=end.host, reason=end.reason, cancelled=True)
-    (out_dir / LEASE).unlink(missing_ok=True)
+        end = Ending(end.exit_code, host=end.host, reason=end.reason, cancelled=True, left_running=end.left_running)
+    if end.left_running:
+        log.error("%s job %s may still be running: its lease %s stays, and the next try ends it before it starts",
+                  handle.get("backend"), handle.get("job_id") or handle.get("name"), out_dir / LEASE)
+    else:
+        (out_dir / LEASE).unlink(missing_ok=True)
     return end
 
 
@@ -125,7 +132,11 @@ def end_leftovers(spec, out_dir: Path, job_dir: Path, log: Any) -> dict | None:
     backend = backend_for(spec, job_dir, log)
     log.warning("ending try %s's %s job %s, left by a task that did not end it", lease.get("try_number"),
                 lease.get("backend"), lease.get("job_id") or lease.get("name"))
-    backend.stop(lease, reason="left by an earlier try")
+    if not backend.stop(lease, reason="left by an earlier try"):
+        raise LaunchError(f"{out_dir / LEASE}: try {lease.get('try_number')}'s {lease.get('backend')} job"
+                          f" {lease.get('job_id') or lease.get('name')} has not ended after Ballast asked it to;"
+                          f" this try does not start beside it (the next one asks again; an operator can end it"
+                          f" by hand)", failure_class="communication")
     (out_dir / LEASE).unlink(missing_ok=True)
     return dict(lease, leftover_processes=None, same_host=False)
 

@@ -37,6 +37,10 @@ def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: 
     data = spec.model_dump(mode="json")
     if root is not None:  # the path as the workers resolve it: the nodes see the same file system there
         data["storage"] = {**data["storage"], "uri": str(root)}
+    elif data["storage"].get("conn_id"):
+        # A node has no Airflow connections: its backend gives it S3's credentials in its environment
+        # (Slurm: the connection's; Kubernetes: execution.kubernetes.storage_secret).
+        data["storage"] = {**data["storage"], "conn_id": None}
     job = NodeJob(spec=data, spec_file=ctx.spec_file, dag_id=ctx.dag_id, run_id=ctx.run_id,
                   task_id=ctx.task_id or "train", try_number=ctx.try_number, name=launch.name,
                   run_config=cfg.model_dump(mode="json"), out_dir=str(out_dir), checkpoint_dir=str(ckpt_dir))
