@@ -274,6 +274,9 @@ REASONS = [
     ("node lost", pod_with("Unknown", reason="NodeLost", message="Node gpu-3 which was running pod is unresponsive"),
      "hardware", "NodeLost"),
     ("class exit code", pod_with("Failed", exit_code=73, term_reason="Error"), None, "Error"),
+    ("deadline", pod_with("Failed", reason="DeadlineExceeded", message="Pod was active on the node longer than"
+                                                                      " the specified deadline"),
+     "preempted", "DeadlineExceeded"),
 ]
 
 
@@ -304,26 +307,58 @@ def test_of_a_jobs_pods_the_platform_reason_explains_the_failure():
 # --- the backend's calls, against a recording stand-in for the API server ----------------------------
 
 
-class FakeAPI:
-    """Records create/list/read/delete calls; pods and the Job's conditions are set by the test."""
+class FakeClock:
+    """The kubernetes backend's `time`: sleeping moves the clock on at once."""
 
     def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeAPI:
+    """Records create/list/read/delete calls; pods and the Job's conditions are set by the test. A created
+    Job or pod has its pods running at once; deleted, they linger `linger` seconds of `clock` (their
+    grace period: the trainers commit a checkpoint) before the API stops listing them."""
+
+    def __init__(self, clock=None, linger: float = 0.0):
         self.calls: list[tuple[str, str]] = []
+        self.timeline: list[tuple[float, str]] = []  # creates, deletes and pods gone, with the clock's time
         self.pods: list = []
         self.strays: list = []  # pods the selector would not match: another try's
         self.job_conditions: list = []
+        self.delete_bodies: list = []
+        self.clock, self.linger, self.deleted_at = clock, linger, None
+
+    def _now(self) -> float:
+        return self.clock.now if self.clock is not None else 0.0
+
+    def _event(self, what: str) -> None:
+        self.timeline.append((self._now(), what))
 
     def create_namespaced_pod(self, ns, body):
         self.calls.append(("create", f"Pod/{body.metadata.name}"))
+        self._event(f"create {body.metadata.name}")
+        self.pods, self.deleted_at = [job_pod(body.metadata.labels, 0, "Running")], None
 
     def create_namespaced_service(self, ns, body):
         self.calls.append(("create", f"Service/{body.metadata.name}"))
 
     def create_namespaced_job(self, ns, body):
         self.calls.append(("create", f"Job/{body.metadata.name}"))
+        self._event(f"create {body.metadata.name}")
         self.template_labels = body.spec.template.metadata.labels
+        self.pods, self.deleted_at = [job_pod(self.template_labels, i, "Running")
+                                      for i in range(body.spec.completions)], None
 
     def list_namespaced_pod(self, ns, label_selector):
+        if self.pods and self.deleted_at is not None and self._now() - self.deleted_at >= self.linger:
+            self.pods = []
+            self._event("pods gone")
         wanted = dict(part.split("=") for part in label_selector.split(","))
         return k8s.V1PodList(items=[p for p in self.pods if all(
             (p.metadata.labels or {}).get(k) == v for k, v in wanted.items())] + self.strays)
@@ -334,15 +369,22 @@ class FakeAPI:
     def read_namespaced_job_status(self, name, ns):
         return k8s.V1Job(status=k8s.V1JobStatus(conditions=self.job_conditions))
 
+    def _deleted(self, what: str, body) -> None:
+        self.calls.append(("delete", what))
+        self._event(f"delete {what}")
+        self.delete_bodies.append(body)
+        if self.deleted_at is None:
+            self.deleted_at = self._now()
+
     def delete_namespaced_job(self, name, ns, body):
-        self.calls.append(("delete", f"Job/{name}"))
         assert body.propagation_policy == "Foreground"  # its pods go with it
+        self._deleted(f"Job/{name}", body)
 
     def delete_namespaced_service(self, name, ns, body):
         self.calls.append(("delete", f"Service/{name}"))
 
     def delete_namespaced_pod(self, name, ns, body):
-        self.calls.append(("delete", f"Pod/{name}"))
+        self._deleted(f"Pod/{name}", body)
 
 
 def job_pod(labels, index, phase, **status):
@@ -394,3 +436,83 @@ def test_a_failed_job_reports_its_pods_reason_and_is_deleted_unless_kept():
         deleted = [c for c in api.calls if c[0] == "delete"]
         assert deleted == ([] if keep else [("delete", f"Job/{handle['name']}"),
                                             ("delete", f"Service/{handle['name']}")])
+
+
+# --- one try's pods gone before the next starts; a deadline and a TTL on every try's objects -----------
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from ballast.backends import kubernetes
+
+    fake = FakeClock()
+    monkeypatch.setattr(kubernetes, "time", fake)
+    return fake
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_stopped_try_returns_once_its_pods_are_gone_and_the_next_try_starts_after(tmp_path, clock, nodes):
+    import logging
+
+    from ballast.backends import remote
+    from ballast.backends.kubernetes import KubernetesBackend
+
+    spec = k8s_spec(nodes=nodes)  # preempt_grace_seconds 90: the pods' terminationGracePeriodSeconds
+    api = FakeAPI(clock, linger=40)  # the trainers take 40 s of their grace to commit a checkpoint
+    log = logging.getLogger("test")
+    backend = KubernetesBackend(spec, log, core=api, batch=api)
+    out = tmp_path / "train"
+    out.mkdir()
+    first = launch(spec, 1)
+    end = remote.run(backend, first, out, log, hang_timeout=0.0, heartbeat=True)  # no heartbeat: a hang
+    assert api.pods == [] and 40 <= clock.now < 40 + 5  # stop() returned once they were gone, not before
+    assert all(b.grace_period_seconds is None for b in api.delete_bodies)  # their grace: never a forced delete
+    assert end.hung and not end.left_running and not (out / remote.LEASE).exists()
+    assert remote.end_leftovers(spec, out, out / "jobs", log) is None
+    backend.start(launch(spec, 2))
+    events = [what for _, what in api.timeline]
+    assert events.index("pods gone") < events.index(f"create {launch(spec, 2).name}"), events
+
+
+@pytest.mark.unit
+def test_pods_that_outlive_their_grace_keep_the_lease_and_the_next_try_waits_for_them(tmp_path, clock,
+                                                                                       monkeypatch):
+    import logging
+
+    from ballast.backends import remote
+    from ballast.backends.kubernetes import STOP_MARGIN_SECONDS, KubernetesBackend
+    from ballast.errors import LaunchError
+
+    spec = k8s_spec(nodes=2)
+    api = FakeAPI(clock, linger=float("inf"))  # a node that stopped answering: its pods stay listed
+    log = logging.getLogger("test")
+    backend = KubernetesBackend(spec, log, core=api, batch=api)
+    monkeypatch.setattr(remote, "backend_for", lambda *args: backend)
+    out = tmp_path / "train"
+    out.mkdir()
+    end = remote.run(backend, launch(spec, 1), out, log, hang_timeout=0.0, heartbeat=True)
+    assert end.hung and end.left_running and (out / remote.LEASE).exists()
+    assert 90 + STOP_MARGIN_SECONDS <= clock.now <= 90 + STOP_MARGIN_SECONDS + 5  # bounded: grace + margin
+    with pytest.raises(LaunchError, match=r"remote\.json: try 1's kubernetes job ballast-.*-t1 has not ended"):
+        remote.end_leftovers(spec, out, out / "jobs", log)  # the next try does not start beside them
+    assert (out / remote.LEASE).exists()
+    api.linger = 0  # the node came back and ended them
+    assert remote.end_leftovers(spec, out, out / "jobs", log)["try_number"] == 1
+    assert not (out / remote.LEASE).exists() and api.pods == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("nodes,keep", [(1, False), (4, False), (4, True)])
+def test_every_trys_job_and_pods_carry_a_deadline_and_a_job_a_ttl(nodes, keep):
+    spec = k8s_spec(nodes=nodes, s3=nodes == 1, keep_failed_pods=keep)
+    objs = docs(spec, launch(spec))
+    for doc in objs:
+        validate(doc)
+    main = objs[-1]
+    limit = 1440 * 60  # the spec's time limit: a train task that dies leaves nothing running past it
+    assert pod_spec(main).get("activeDeadlineSeconds") == limit
+    if nodes > 1:
+        assert main["spec"]["activeDeadlineSeconds"] == limit
+        assert main["spec"]["ttlSecondsAfterFinished"] == (k8s_manifests.KEPT_TTL_SECONDS if keep else
+                                                           k8s_manifests.FINISHED_TTL_SECONDS)

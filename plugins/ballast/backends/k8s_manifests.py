@@ -34,10 +34,30 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 UID = 50000  # the training image's user (docker/training.Dockerfile)
 CACHE_MOUNT, WORK_MOUNT = "/cache", "/work"
+DEFAULT_TIME_LIMIT_MINUTES = 1440
+"""A try's time limit where the spec sets none for Kubernetes (Slurm's time_limit_minutes default)."""
+FINISHED_TTL_SECONDS = 3600
+"""A finished Job is deleted by the cluster after this long, should no task be left to delete it."""
+KEPT_TTL_SECONDS = 7 * 86400
+"""The same with keep_failed_pods: a week to inspect a failed try."""
 
 
 def run_label(dag_id: str, run_id: str) -> str:
     return hashlib.sha256(f"{dag_id}/{run_id}".encode()).hexdigest()[:16]
+
+
+def grace_seconds(spec: Spec) -> int:
+    """The pods' terminationGracePeriodSeconds: the preemption notice (recovery.preempt_grace_seconds)."""
+    return math.ceil(spec.recovery.preempt_grace_seconds)
+
+
+def deadline_seconds(spec: Spec) -> int:
+    """activeDeadlineSeconds of a try's Job and pods: its time limit, after which the cluster ends it
+    (SIGTERM, the grace period, then the end) even when no train task is left to: the Slurm time limit's
+    counterpart. A Job's counts from its creation, pending time included."""
+    # The spec has no Kubernetes time limit yet: read one where a newer spec declares it.
+    minutes = getattr(_k8s(spec), "time_limit_minutes", None) or DEFAULT_TIME_LIMIT_MINUTES
+    return int(minutes) * 60
 
 
 def _k8s(spec: Spec) -> KubernetesSpec:
@@ -152,7 +172,6 @@ def pod(spec: Spec, launch: Launch, *, nodes: int = 1):
     volumes, mounts = _volumes(k, launch)
     tolerations = [k8s.V1Toleration(key=t.key, operator=t.operator, value=t.value, effect=t.effect)
                    for t in pool.tolerations] or None
-    grace = math.ceil(spec.recovery.preempt_grace_seconds)
     op = KubernetesPodOperator(
         task_id=launch.labels.get("task_id", "train"), name=name, random_name_suffix=False, namespace=k.namespace,
         image=k.image, image_pull_policy=k.image_pull_policy, base_container_name=CONTAINER,
@@ -173,7 +192,7 @@ def pod(spec: Spec, launch: Launch, *, nodes: int = 1):
             run_as_non_root=True, allow_privilege_escalation=False, read_only_root_filesystem=True,
             privileged=False, capabilities=k8s.V1Capabilities(drop=["ALL"]),
             seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")),
-        termination_grace_period=grace,
+        termination_grace_period=grace_seconds(spec), active_deadline_seconds=deadline_seconds(spec),
         subdomain=name if nodes > 1 else None,
         on_finish_action="delete_succeeded_pod" if k.keep_failed_pods else "delete_pod",
         do_xcom_push=False, get_logs=True,
@@ -206,6 +225,8 @@ def indexed_job(spec: Spec, launch: Launch):
         spec=k8s.V1JobSpec(
             completion_mode="Indexed", completions=launch.nodes, parallelism=launch.nodes,
             backoff_limit=spec.recovery.max_restarts, pod_failure_policy=k8s.V1PodFailurePolicy(rules=rules),
+            active_deadline_seconds=deadline_seconds(spec),
+            ttl_seconds_after_finished=KEPT_TTL_SECONDS if _k8s(spec).keep_failed_pods else FINISHED_TTL_SECONDS,
             template=k8s.V1PodTemplateSpec(metadata=k8s.V1ObjectMeta(labels=dict(meta.labels)), spec=template.spec)))
 
 

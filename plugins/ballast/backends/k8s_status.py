@@ -10,6 +10,8 @@ The provider's failure says only "Pod X returned a failure."; the reasons live i
   reclamation): `preempted`; DeletionByTaintManager (the node turned NoExecute: not ready,
   unreachable) and DeletionByPodGC (the pod's node is gone): `hardware`, the node goes on the avoid list;
 - a pod whose node disappeared (`reason: NodeLost`, phase Unknown): `hardware`;
+- the try's time limit (`reason: DeadlineExceeded`, activeDeadlineSeconds: the trainers had SIGTERM and
+  their grace to checkpoint, as at Slurm's time limit): `preempted`, a new try resumes;
 - otherwise the container's exit code: one of the trainer's class codes, or nothing the platform
   knows (the failure record and the log decide).
 """
@@ -55,8 +57,8 @@ def ending(pod: Any) -> Ending | None:
             return Ending(code, host=host, reason=f"{reason}: {message}".rstrip(": "),
                           failure_class=DISRUPTIONS.get(reason, "preempted"))
     pod_reason = _get(status, "reason")
-    if pod_reason == "Evicted":
-        return Ending(code, host=host, reason=f"Evicted: {_get(status, 'message') or ''}".rstrip(": "),
+    if pod_reason in ("Evicted", "DeadlineExceeded"):
+        return Ending(code, host=host, reason=f"{pod_reason}: {_get(status, 'message') or ''}".rstrip(": "),
                       failure_class="preempted")
     if pod_reason == "NodeLost" or phase == "Unknown":
         return Ending(code, host=host, reason=f"{pod_reason or 'Unknown'}: the pod's node stopped reporting",

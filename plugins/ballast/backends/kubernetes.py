@@ -6,7 +6,10 @@ conn_id`: the cluster's credentials never pass through the spec). Pods are found
 run and try number both (`ballast.dev/run`, `ballast.dev/try`), and every pod found is checked for
 them again: a retry never attaches to a pod or Job of another try, which the provider's own label
 selector, leaving the try number out on purpose, would allow. A try's objects are deleted when it
-succeeds, fails (unless `keep_failed_pods`), is cancelled, or is found left over by the next try.
+succeeds, fails (unless `keep_failed_pods`), is cancelled, or is found left over by the next try; a
+stop returns once the try's pods are gone (they may spend their grace period committing a checkpoint
+into the storage the next try resumes from), or reports that they are not, after that grace period and
+a margin: the try's lease then stays (`ballast.backends.remote`).
 
 Not run against a cluster here (none runs on these machines): the objects are validated offline, and
 this module's calls are tested against a recording stand-in for the API (tests/test_kubernetes.py).
@@ -14,6 +17,7 @@ this module's calls are tested against a recording stand-in for the API (tests/t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +26,8 @@ from ballast.backends import Ending, Launch, k8s_manifests, k8s_status
 from ballast.spec import Spec
 
 POLL_SECONDS = 2.0
+STOP_MARGIN_SECONDS = 30.0
+"""How long past the pods' grace period a stop waits for them to be gone (the kubelet's own pace)."""
 
 
 class KubernetesBackend:
@@ -75,15 +81,15 @@ class KubernetesBackend:
         relayed: dict[str, int] = {}
         while True:
             if should_stop():
-                self.stop(handle, reason="cancelled")
-                return Ending(None, reason="cancelled (by Ballast)", cancelled=True)
+                ended = self.stop(handle, reason="cancelled")
+                return Ending(None, reason="cancelled (by Ballast)", cancelled=True, left_running=not ended)
             pods = self.pods(handle)
             self._relay(handle, pods, relayed, on_line)
             end = self._ended(handle, pods)
             if end is not None:
                 self._relay(handle, pods, relayed, on_line)
                 if end.ok or not self.k.keep_failed_pods:
-                    self.stop(handle, reason="finished")
+                    end = dataclasses.replace(end, left_running=not self.stop(handle, reason="finished"))
                 else:
                     self.log.warning("keeping the failed try's %s %s for inspection (keep_failed_pods)",
                                      handle["kind"], handle["name"])
@@ -102,8 +108,9 @@ class KubernetesBackend:
             if cond.type == "Failed":
                 first = k8s_status.first_failure(pods)
                 reason = f"Job failed: {cond.reason or ''} {cond.message or ''}".strip()
-                if first is None:
-                    return Ending(None, reason=reason)
+                if first is None:  # the time limit (activeDeadlineSeconds) is Slurm's TIMEOUT: resume
+                    return Ending(None, reason=reason,
+                                  failure_class="preempted" if cond.reason == "DeadlineExceeded" else None)
                 return Ending(first.exit_code, host=first.host, reason=f"{first.reason}; {reason}",
                               failure_class=first.failure_class)
         return None
@@ -127,19 +134,39 @@ class KubernetesBackend:
 
     # -- stop --------------------------------------------------------------------------------------
 
-    def stop(self, handle: dict[str, Any], *, reason: str = "") -> None:
-        """Delete the try's objects (a Job with its pods, foreground; its Service; or the pod)."""
+    def stop(self, handle: dict[str, Any], *, reason: str = "") -> bool:
+        """Delete the try's objects (a Job with its pods, foreground; its Service; or the pod) and wait
+        until its pods are gone; False if some still ran after their grace period and a margin."""
         from kubernetes.client import V1DeleteOptions
         from kubernetes.client.exceptions import ApiException
 
         ns, name = handle["namespace"], handle["name"]
-        now = V1DeleteOptions(propagation_policy="Foreground", grace_period_seconds=0 if reason == "cancelled" else None)
+        # The pods' own grace period, never a forced delete: that would only drop them from the API while
+        # their trainers still run and write into storage beside the next try.
+        body = V1DeleteOptions(propagation_policy="Foreground")
         calls = ([(self.core.delete_namespaced_pod, name)] if handle.get("kind") == "Pod" else
                  [(self.batch.delete_namespaced_job, name), (self.core.delete_namespaced_service, name)])
         for delete, obj in calls:
             try:
-                delete(obj, ns, body=now)
+                delete(obj, ns, body=body)
             except ApiException as exc:
                 if exc.status != 404:  # already gone is what we wanted
                     raise
         self.log.info("deleted %s %s/%s (%s)", handle.get("kind"), ns, name, reason or "stopped")
+        return self._gone(handle)
+
+    def _gone(self, handle: dict[str, Any]) -> bool:
+        """Wait until no pod of the try runs (none listed, or all terminated), at most the pods' grace
+        period and STOP_MARGIN_SECONDS."""
+        bound = k8s_manifests.grace_seconds(self.spec) + STOP_MARGIN_SECONDS
+        deadline = time.monotonic() + bound
+        while True:
+            left = [p.metadata.name for p in self.pods(handle)
+                    if (p.status.phase if p.status else None) not in ("Succeeded", "Failed")]
+            if not left:
+                return True
+            if time.monotonic() >= deadline:
+                self.log.error("pods %s of try %s still run %.0f s after their deletion", ", ".join(left),
+                               handle.get("try_number"), bound)
+                return False
+            time.sleep(POLL_SECONDS)
