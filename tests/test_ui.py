@@ -250,6 +250,7 @@ def _browser():
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage", "--window-size=1400,2200"):
         opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: CSP violations are logged there
     return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
 
 
@@ -270,7 +271,9 @@ def _get(url: str, token: str | None = None) -> tuple[int, dict | str]:
 def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_path):
     """A finished demo run and a run with injected faults (a loss spike, an out-of-memory on try 1),
     then the real API server: the plugin's tab on each run, in headless Chromium, logged in as a viewer;
-    the page's numbers are the records'; no token is 401, a run that does not exist 404."""
+    the page's numbers are the records'; no token is 401, a run that does not exist 404. A run id that
+    holds a template placeholder and markup (`{{CONFIG}}<svg onload=alert(1)>`) is text on its page: no
+    alert, and no script or style the page's Content-Security-Policy had to refuse, on any page."""
     from urllib.parse import quote
 
     from helpers import free_port, run_spec_dag
@@ -280,6 +283,8 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
 
     from ballast.localstack import LocalStack
     from ballast.recovery import history
+    from ballast.ui.summary import run_prefix
+    from selenium.common.exceptions import NoAlertPresentException
 
     def fast(d, faults=()):
         d["dataset"]["location"] = str(digits_raw)
@@ -330,6 +335,14 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
         assert data["records"]["states"]["attempts/train.json"] == "corrupt"
         assert data["records"]["states"]["train/metrics.jsonl"] == "partial" and data["curves"]["step"] == [10]
         assert _get(f"{base}/ballast/runs/{demo_ctx.dag_id}/manual__broken", token)[0] == 200
+        # Issue 21, item 1. Airflow's run_id pattern refuses '<' and '{' in a triggered run, but the view
+        # takes the id from the URL: records under its key are what a link to it needs.
+        crafted = "{{CONFIG}}<svg onload=alert(1)>"
+        crafted_dir = demo_ctx.storage.local_path(run_prefix(demo_ctx.storage, demo_ctx.dag_id, crafted))
+        (crafted_dir / "attempts").mkdir(parents=True)
+        (crafted_dir / "attempts" / "train.json").write_text("{broken")
+        code, shell = _get(f"{base}/ballast/runs/{demo_ctx.dag_id}/{quote(crafted, safe='')}", token)
+        assert code == 200 and "<svg" not in shell, shell
         assert _get(f"{base}/ballast/static/stability.js")[0] == 401
         assert _get(f"{base}/ballast/static/../app.py", token)[0] == 404
 
@@ -375,6 +388,17 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
             WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "app").get_attribute("data-state") == "rendered")
             notice = browser.find_element(By.ID, "record-states").text
             assert "attempts/train.json corrupt" in notice and "train/metrics.jsonl partial" in notice, notice
+            browser.get(f"{base}/ballast/runs/{demo_ctx.dag_id}/{quote(crafted, safe='')}")
+            WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "app").get_attribute("data-state") == "rendered")
+            with pytest.raises(NoAlertPresentException):
+                browser.switch_to.alert  # noqa: B018  (raises unless an alert is open)
+            assert browser.find_element(By.TAG_NAME, "h1").text == f"{demo_ctx.dag_id} / {crafted}"
+            assert not browser.find_elements(By.TAG_NAME, "svg")
+            browser.get(f"{base}/ballast/pipelines/{demo_ctx.dag_id}")  # the pipeline page, bounded
+            WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "app").get_attribute("data-state") == "rendered")
+            assert browser.find_element(By.ID, "runs-count").text == "3"  # the demo run, the broken, the crafted
+            refused = [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+            assert not refused, refused
         finally:
             browser.quit()
     assert (shots / f"{faulty_ctx.dag_id}.png").stat().st_size > 10_000

@@ -6,24 +6,29 @@ none is 401, a bad one 401/403) and, for anything of one pipeline, `requires_acc
 that DAG's runs, per request: 403). Static files included.
 
 Pages are HTML shells that fetch the JSON routes and draw with uPlot, vendored under `static/uplot/`
-(no CDN: the UI works with no internet access). Summaries come from the run records in the pipeline's
+(no CDN: the UI works with no internet access). A run id, a DAG id or a record is never markup: the
+shell is one Jinja template step with autoescape (the config as a JSON data element, `tojson`), the
+static script sets text only as text, and the shell's Content-Security-Policy allows no inline script. Summaries come from the run records in the pipeline's
 storage (`ballast.ui.summary`), cached: a finished run's for good (its records no longer change), a
 running one's for `LIVE_SECONDS`. Routes are plain `def`s: FastAPI runs them in its thread pool, so a
-slow storage read never blocks the API server's event loop.
+slow storage read never blocks the API server's event loop. Concurrent requests for one summary
+compute it once (`_Cache`). A storage error is a 503 naming the pipeline; its cause (URIs, endpoints)
+goes to the API server's log only.
 """
 
 from __future__ import annotations
 
-import html
-import json
+import logging
 import mimetypes
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
+from functools import lru_cache
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
@@ -37,12 +42,21 @@ LIVE_SECONDS = 5.0
 PIPELINE_SECONDS = 30.0  # the pipeline page reads every run's attempt history: kept longer
 CACHED_RUNS = 256
 MAX_DOCS_BYTES = 32 << 20  # one Data Docs page or asset: GX writes kilobytes
+PIPELINE_RUNS, MAX_PIPELINE_RUNS = 50, 500  # the pipeline page's newest runs: by default, and at most
 READ_RUNS = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
+# The view's own pages: scripts and styles from this app only (none inline), data from its routes.
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+            "base-uri 'none'; form-action 'none'; frame-ancestors 'self'")
+log = logging.getLogger(__name__)
 
 
 class _Cache:
+    """Summaries by key, least recently used out first. Single flight: a miss computes while requests
+    for the same key wait for that result (or its error) instead of reading storage again each."""
+
     def __init__(self, size: int):
         self._items: OrderedDict[tuple, tuple[float | None, Any]] = OrderedDict()
+        self._flights: dict[tuple, Future] = {}
         self._size, self._lock = size, threading.Lock()
 
     def get(self, key: tuple, make, *, final, ttl: float = LIVE_SECONDS) -> Any:
@@ -51,13 +65,29 @@ class _Cache:
             if hit is not None and (hit[0] is None or hit[0] > time.monotonic()):
                 self._items.move_to_end(key)
                 return hit[1]
-        value = make()
+            flight = self._flights.get(key)
+            if flight is None:
+                flight = self._flights[key] = Future()
+                leader = True
+            else:
+                leader = False
+        if not leader:
+            return flight.result()
+        try:
+            value = make()
+        except BaseException as exc:
+            with self._lock:
+                del self._flights[key]
+            flight.set_exception(exc)  # the waiters' answer too; the next request tries again
+            raise
         expires = None if final(value) else time.monotonic() + ttl
         with self._lock:
             self._items[key] = (expires, value)
             self._items.move_to_end(key)
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
+            del self._flights[key]
+        flight.set_result(value)
         return value
 
 
@@ -70,7 +100,7 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
     def storage_of(dag_id: str):
         storage = catalog.storage(dag_id)
         if storage is None:
-            raise HTTPException(404, f"{dag_id} is not a Ballast pipeline (no spec in {catalog.directory})")
+            raise HTTPException(404, f"{dag_id} is not a Ballast pipeline (no spec of it in the view's spec folder)")
         return storage
 
     def run_data(dag_id: str, run_id: str) -> dict:
@@ -79,7 +109,7 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
         data = cache.get(("run", dag_id, run_id), lambda: summary.run_summary(storage, dag_id, run_id),
                          final=lambda d: d is not None and d["status"] == "finished")
         if data is None:
-            raise HTTPException(404, f"run {run_id!r} of {dag_id} has no records in {storage.describe('runs')}")
+            raise HTTPException(404, f"run {run_id!r} of {dag_id} has no records in the pipeline's storage")
         return data
 
     @app.get("/api/pipelines")
@@ -92,10 +122,10 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
                               for d, p in sorted(known.items()) if d in allowed]}
 
     @app.get("/api/pipelines/{dag_id}", dependencies=[READ_RUNS])
-    def pipeline_json(dag_id: str) -> dict:
+    def pipeline_json(dag_id: str, limit: int = Query(PIPELINE_RUNS, ge=1, le=MAX_PIPELINE_RUNS)) -> dict:
         storage = storage_of(dag_id)
-        return cache.get(("pipeline", dag_id), lambda: summary.pipeline_summary(storage, dag_id), final=lambda d: False,
-                         ttl=PIPELINE_SECONDS)
+        return cache.get(("pipeline", dag_id, limit), lambda: summary.pipeline_summary(storage, dag_id, limit=limit),
+                         final=lambda d: False, ttl=PIPELINE_SECONDS)
 
     @app.get("/api/runs/{dag_id}/{run_id}", dependencies=[READ_RUNS])
     def run_json(dag_id: str, run_id: str) -> dict:
@@ -145,11 +175,17 @@ def create_app(catalog: Catalog | None = None) -> FastAPI:
         if not path.is_file() or STATIC.resolve() not in path.parents:
             raise HTTPException(404, "no such file")
         kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-        return Response(path.read_bytes(), media_type=kind, headers={"Cache-Control": "private, max-age=3600"})
+        return Response(path.read_bytes(), media_type=kind, headers={"Cache-Control": "private, max-age=3600",
+                                                                     "X-Content-Type-Options": "nosniff"})
 
     @app.exception_handler(StorageError)
     def _storage_error(request: Request, exc: StorageError) -> Response:
-        return JSONResponse({"detail": f"the pipeline's storage could not be read: {exc}"}, status_code=503)
+        # The cause names buckets, prefixes and endpoints: for the operator's log, not for every viewer.
+        dag_id = request.path_params.get("dag_id", "?")
+        log.warning("Training stability view: %s: the storage of %s could not be read: %s", request.url.path,
+                    dag_id, exc)
+        return JSONResponse({"detail": f"the storage of pipeline {dag_id} could not be read (the API server's log "
+                                       "has the cause)"}, status_code=503)
 
     return app
 
@@ -170,13 +206,21 @@ def _url(request: Request, route: str, /, **params: str) -> str:
     return request.scope.get("root_path", "").rstrip("/") + str(path)
 
 
+@lru_cache(maxsize=1)
+def _template():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(STATIC), autoescape=True,
+                             undefined=jinja2.StrictUndefined)
+    return env.get_template("page.html")
+
+
 def _page(request: Request, kind: str, title: str, **config: str) -> HTMLResponse:
-    static = _url(request, "static", name="")
-    blob = json.dumps({"kind": kind, **config}).replace("</", "<\\/")
-    body = (STATIC / "page.html").read_text()
-    for key, value in {"TITLE": html.escape(title), "STATIC": html.escape(static), "CONFIG": blob}.items():
-        body = body.replace("{{" + key + "}}", value)
-    return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+    """The page shell: one template step, every value escaped for where it goes (text and attributes:
+    HTML-escaped; the config: JSON whose '<', '>', '&' and quotes are escapes, so it cannot end its element)."""
+    body = _template().render(title=title, static=_url(request, "static", name=""), config={"kind": kind, **config})
+    return HTMLResponse(body, headers={"Cache-Control": "no-store", "Content-Security-Policy": PAGE_CSP,
+                                       "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"})
 
 
 app = create_app()

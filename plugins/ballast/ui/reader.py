@@ -8,6 +8,7 @@ model accepts, or unreadable), with the problem in one line.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from ballast.storage import Storage
 
 MAX_RECORD_BYTES = 4 << 20
 MAX_EVENTS_BYTES = 16 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,7 +41,9 @@ class Reader:
             with self.storage.open_read(key, max(0, size - limit)) as fh:
                 data = fh.read(limit)
         except Exception as exc:  # noqa: BLE001  (a storage error is this record's state, not the page's)
-            self.states[name], self.problems[name] = "corrupt", f"could not be read: {exc}"
+            # Its cause names buckets and endpoints: the operator's log has it, the viewer's page does not.
+            log.warning("Training stability view: %s could not be read: %s", key, exc)
+            self.states[name], self.problems[name] = "corrupt", "could not be read (the API server's log has the cause)"
             return None
         self.states[name] = "ok" if size <= limit else "partial"
         if size > limit:

@@ -13,6 +13,7 @@ Pure functions of a `Storage` and a clock: the app (`ballast.ui.app`) caches the
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import time
 from typing import Any
@@ -36,6 +37,7 @@ from ballast.ui.reader import Reader
 
 MAX_POINTS = 2000  # per curve: longer runs are thinned evenly (spikes are always kept)
 TRAIN_TASKS = "train"
+MAX_LISTED_RUNS = 20_000  # a pipeline page lists its runs' names (one entry each) up to this many
 
 
 def run_prefix(storage: Storage, dag_id: str, run_id: str) -> str:
@@ -47,17 +49,20 @@ def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None
     """The view of one run, or None when storage holds nothing of it (no such run, or not started)."""
     now = time.time() if now is None else now
     prefix = run_prefix(storage, dag_id, run_id)
-    if not any(True for _ in _first(storage.list(prefix + "/"))):
+    if next(storage.list(prefix, limit=1), None) is None:
         return None
+    # Small listings only, never a run's checkpoint shards: the stage records, the tries.
+    stages = [name for name in storage.list_dir(f"{prefix}/stages/") if not name.endswith("/")]
+    attempts = [key[len(prefix) + 1:] for key in storage.list(f"{prefix}/attempts/")]
     r = Reader(storage, prefix)
     report = r.record("report.json", RunReport)
     validate = r.record("stages/validate.json", ValidateResult)
     convert = r.record("stages/convert.json", ConvertResult)
     warm = r.record("stages/warm_cache.json", WarmCacheResult)
-    train = r.record(_last_round(storage, prefix, "train"), TrainResult)
-    verify = r.record(_last_round(storage, prefix, "verify_checkpoint"), VerifyResult)
+    train = r.record(_last_round(stages, "train"), TrainResult)
+    verify = r.record(_last_round(stages, "verify_checkpoint"), VerifyResult)
     publish = r.record("stages/publish.json", PublishResult)
-    history = _history(r, storage, prefix)
+    history = _history(r, attempts)
     events = r.jsonl("train/metrics.jsonl")
     heartbeat = _heartbeat(r.raw("train/heartbeat", 256))
     effective = r.record("spec.json", EffectiveSpec)
@@ -81,18 +86,16 @@ def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None
     }
 
 
-def pipeline_summary(storage: Storage, dag_id: str, *, limit: int = 200) -> dict[str, Any]:
-    """Across a pipeline's runs (the newest `limit`): the effective ratio and failures of each, and the
-    mean time between failures over them all."""
-    runs: dict[str, None] = {}
-    for key in storage.list(f"runs/{dag_id}/"):
-        rest = key[len(f"runs/{dag_id}/"):]
-        if "/" in rest:
-            runs.setdefault(rest.split("/", 1)[0], None)
+def pipeline_summary(storage: Storage, dag_id: str, *, limit: int = 50) -> dict[str, Any]:
+    """Across a pipeline's newest `limit` runs (by the date in their id; ids without one count as
+    oldest): the effective ratio and failures of each, and the mean time between failures over them.
+    Only those runs' records are read; `total_runs` says how many there are."""
+    names = _children(storage, f"runs/{dag_id}/", limit=MAX_LISTED_RUNS)
     rows, histories = [], []
-    for run in sorted(runs)[-limit:]:
-        r = Reader(storage, f"runs/{dag_id}/{run}")
-        history = _history(r, storage, f"runs/{dag_id}/{run}")
+    for run in sorted(names, key=_run_date)[-limit:]:
+        prefix = f"runs/{dag_id}/{run}"
+        r = Reader(storage, prefix)
+        history = _history(r, [key[len(prefix) + 1:] for key in storage.list(f"{prefix}/attempts/")])
         report = r.raw("report.json", 64)  # only whether it exists
         effective = r.record("spec.json", EffectiveSpec)
         run = (effective.run_id if effective is not None else None) or run  # the exact id, for the run's link
@@ -112,7 +115,7 @@ def pipeline_summary(storage: Storage, dag_id: str, *, limit: int = 200) -> dict
     for row in rows:
         for cls, n in (row.get("failures") or {}).items():
             by_class[cls] = by_class.get(cls, 0) + n
-    return {"dag_id": dag_id, "runs": rows, "mtbf_seconds": total.mtbf_seconds,
+    return {"dag_id": dag_id, "runs": rows, "total_runs": len(names), "mtbf_seconds": total.mtbf_seconds,
             "failures_by_class": by_class, "effective_ratio": total.effective_ratio if histories else None}
 
 
@@ -158,16 +161,12 @@ def _tries(history: AttemptHistory | None) -> list[dict[str, Any]]:
 
 
 def _checkpoints(storage: Storage, prefix: str, verify: VerifyResult | None) -> dict[str, Any]:
-    committed, quarantined = [], []
-    for key in storage.list(f"{prefix}/checkpoints/"):
-        rest = key[len(f"{prefix}/checkpoints/"):]
-        parts = rest.split("/")
-        if parts[-1] != "COMMITTED":
-            continue
-        if parts[0] == "quarantine" and len(parts) == 3:
-            quarantined.append(parts[1])
-        elif len(parts) == 2:
-            committed.append(parts[0])
+    """Checkpoint directories with their COMMITTED marker: one marker lookup each, not a listing of
+    every shard."""
+    base = f"{prefix}/checkpoints/"
+    committed = [d for d in _children(storage, base) if d != "quarantine" and storage.exists(f"{base}{d}/COMMITTED")]
+    quarantined = [d for d in _children(storage, f"{base}quarantine/")
+                   if storage.exists(f"{base}quarantine/{d}/COMMITTED")]
     verified = []
     if verify is not None:
         verified = sorted({verify.last.path.rstrip("/").rsplit("/", 1)[-1], verify.best.path.rstrip("/").rsplit("/", 1)[-1]})
@@ -315,20 +314,21 @@ def _heartbeat(data: bytes | None) -> tuple[int, float] | None:
     return (step_, at_) if math.isfinite(at_) else None
 
 
-def _last_round(storage: Storage, prefix: str, stage: str) -> str:
-    """`stages/<stage>.json`, or in a pipeline that trains in rounds the last round's record."""
+def _last_round(stages: list[str], stage: str) -> str:
+    """`stages/<stage>.json`, or in a pipeline that trains in rounds the last round's record (`stages`:
+    the names in the run's stages/ directory)."""
     rounds = []
-    for key in storage.list(f"{prefix}/stages/round_"):
-        name = key.rsplit("/", 1)[-1]
+    for name in stages:
         head, _, rest = name.partition(".")
         if rest == f"{stage}.json" and head.removeprefix("round_").isdigit():
             rounds.append(int(head.removeprefix("round_")))
     return f"stages/round_{max(rounds)}.{stage}.json" if rounds else f"stages/{stage}.json"
 
 
-def _history(r: Reader, storage: Storage, prefix: str) -> AttemptHistory | None:
-    """Every training task's tries as one history, oldest first (one task, or one per round)."""
-    names = sorted(key[len(prefix) + 1:] for key in storage.list(f"{prefix}/attempts/") if key.endswith(".json"))
+def _history(r: Reader, attempts: list[str]) -> AttemptHistory | None:
+    """Every training task's tries as one history, oldest first (one task, or one per round; `attempts`:
+    the run's attempts/... names)."""
+    names = sorted(n for n in attempts if n.endswith(".json"))
     names = [n for n in names if n.rsplit("/", 1)[-1].removesuffix(".json").split(".")[-1] == TRAIN_TASKS]
     if not names:
         r.states[f"attempts/{TRAIN_TASKS}.json"] = "missing"
@@ -350,7 +350,15 @@ def _thin(n: int, most: int) -> list[int]:
     return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
 
 
-def _first(it):
-    for x in it:
-        yield x
-        return
+def _children(storage: Storage, directory: str, *, limit: int | None = None) -> list[str]:
+    """The names of a directory's subdirectories: one level (a page per 1000 on S3), not every file below."""
+    return [name[:-1] for name in storage.list_dir(directory, limit=limit) if name.endswith("/")]
+
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}[_:]\d{2}[_:]\d{2}")
+
+
+def _run_date(name: str) -> tuple[str, str]:
+    """A run directory's order: the date in its id (manual__2026-12-04T10_00_00_00_00), then its name."""
+    found = _DATE.search(name)
+    return (found.group(0).replace(":", "_") if found else "", name)

@@ -1,15 +1,18 @@
 // The Training stability view: draws what /api/... returns (ballast.ui.summary). Text from records is
-// only ever set as textContent, never as HTML.
+// only ever set as textContent, never as HTML. The page's Content-Security-Policy allows no inline
+// script or style: the config comes as a JSON data element, styles are set through the CSSOM.
 (function () {
   "use strict";
-  const config = JSON.parse(document.getElementById("config").textContent);
+  const config = JSON.parse(document.getElementById("ballast-config").textContent);
   const app = document.getElementById("app");
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
     for (const [k, v] of Object.entries(attrs || {})) {
       if (v === null || v === undefined) continue;
-      if (k === "class") node.className = v; else node.setAttribute(k, v);
+      if (k === "class") node.className = v;
+      else if (k === "style") node.style.cssText = v; // a style attribute would be inline style, refused by the CSP
+      else node.setAttribute(k, v);
     }
     for (const c of children.flat()) {
       if (c === null || c === undefined) continue;
@@ -152,7 +155,7 @@
   function pipelinePage(d) {
     const rows = d.runs.slice().reverse();
     const parts = [el("h1", {}, d.dag_id), el("div", { class: "cards" },
-      card("runs", d.runs.length, "runs-count"), card("effective training time (all runs)", fmt.pct(d.effective_ratio), "ratio"),
+      card(d.total_runs > d.runs.length ? "newest runs of " + d.total_runs : "runs", d.runs.length, "runs-count"), card("effective training time (all runs)", fmt.pct(d.effective_ratio), "ratio"),
       card("mean time between failures", fmt.s(d.mtbf_seconds), "mtbf"))];
     const classes = Object.entries(d.failures_by_class);
     parts.push(el("h2", {}, "Failures by class"), classes.length ? table("failures-by-class", ["class", "failed tries"], classes) : el("p", { class: "muted" }, "No failed try."));
