@@ -2,7 +2,8 @@
 
 `build_dags(spec_dir)` is what the thin file in dags/ calls. Each good spec becomes one DAG; broken
 specs are gathered into one stand-in whose validation fails, so that Airflow shows exactly one import
-error for the DAG file, naming each broken spec's file and field, while the good DAGs still load.
+error for the DAG file, naming each broken spec's file and field, while the good DAGs still load. Any
+other error while building one spec's DAG (a bug) is that spec's line in the same import error.
 """
 
 from __future__ import annotations
@@ -34,17 +35,25 @@ def build_dags(spec_dir: str | Path) -> dict[str, DAG]:
     for path in spec_files(spec_dir):
         try:
             plan = build_plan(load_spec(path), spec_file=str(path))
+            if plan.dag_id in dags:
+                problems.append(f"{path}: name: {plan.spec_data['name']!r} is already used by another spec"
+                                f" ({dags[plan.dag_id].fileloc}); pick a unique name")
+                continue
+            dags[plan.dag_id] = render(plan)
         except SpecError as exc:
             problems.extend(exc.problems)
-            continue
-        if plan.dag_id in dags:
-            problems.append(f"{path}: name: {plan.spec_data['name']!r} is already used by another spec"
-                            f" ({dags[plan.dag_id].fileloc}); pick a unique name")
-            continue
-        dags[plan.dag_id] = render(plan)
+        except Exception as exc:  # a bug of ours, not the spec's: still this spec's error alone, not the file's
+            problems.append(unexpected(path, exc))
     if problems:
         dags["ballast_broken_specs"] = BrokenSpecs(problems)
     return dags
+
+
+def unexpected(path: Path, exc: BaseException) -> str:
+    """One line for an error no check anticipated while reading or rendering the spec at `path`."""
+    detail = " ".join(str(exc).split())
+    detail = detail if len(detail) <= 300 else detail[:297] + "..."
+    return f"{path}: cannot build its DAG: {type(exc).__name__}: {detail or 'no message'} (a Ballast bug: please report it)"
 
 
 def render(plan: Plan) -> DAG:

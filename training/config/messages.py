@@ -7,7 +7,7 @@ parameters), so that both say the same thing the same way. pydantic only.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from pydantic import BaseModel
 
@@ -20,6 +20,7 @@ _SIMPLE = {
     "model_type": "must be a mapping of keys", "model_attributes_type": "must be a mapping of keys",
     "dict_type": "must be a mapping of keys", "tuple_type": "must be a list", "list_type": "must be a list",
     "too_short": "must not be empty", "string_too_short": "must not be empty",
+    "finite_number": "must be a finite number",
 }
 # pydantic puts a union member's type name into the location; it is no field of the user's.
 _UNION_MEMBERS = {"str", "int", "float", "bool"}
@@ -100,14 +101,61 @@ def dotted(loc: tuple) -> str:
     return out
 
 
-def short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def short(value: Any, limit: int = 60) -> str:
+    """`repr(value)`, cut to `limit` characters. Written piece by piece and stopped at the limit: a value
+    from a spec can be huge, or a YAML alias bomb's 9^9 shared lists, whose whole repr never ends."""
+    text, size = [], 0
+    for piece in _repr_pieces(value, limit + 1, 0):
+        text.append(piece)
+        size += len(piece)
+        if size > limit:
+            break
+    out = "".join(text)
+    return out if len(out) <= limit else out[:limit - 3] + "..."
+
+
+_BRACKETS = {list: "[]", tuple: "()", set: "{}", frozenset: "{}", dict: "{}"}
+
+
+def _repr_pieces(value: Any, budget: int, depth: int) -> Iterator[str]:
+    """The pieces of `repr(value)` in order, lazily (containers item by item), each at most ~`budget` long."""
+    kind = next((k for k in _BRACKETS if isinstance(value, k)), None)
+    if kind is None:
+        if isinstance(value, str) and len(value) > budget:
+            yield repr(value[:budget])[:-1]  # the closing quote: never shown, the text is cut before it
+            return
+        try:
+            text = repr(value)
+        except ValueError:  # an integer past Python's limit of digits in a str
+            text = f"<{value.bit_length()}-bit integer>" if isinstance(value, int) else f"<{type(value).__name__}>"
+        yield text[:budget]
+        return
+    opening, closing = _BRACKETS[kind]
+    if depth >= 20:  # deep enough to be cut anyway; no recursion limit for a deeply nested value
+        yield opening + "..."
+        return
+    yield opening
+    for i, item in enumerate(value.items() if kind is dict else value):
+        if i:
+            yield ", "
+        if kind is dict:
+            yield from _repr_pieces(item[0], budget, depth + 1)
+            yield ": "
+            item = item[1]
+        yield from _repr_pieces(item, budget, depth + 1)
+    yield ("," if kind is tuple and len(value) == 1 else "") + closing
+
+
+MAX_MESSAGE = 400
+"""A message longer than this is cut: a validator may quote a value, and values can be huge."""
 
 
 def one_line(loc: tuple, msg: str, value: Any) -> str:
     """`field.path: message (got VALUE)`."""
     got = "" if value is NOVALUE else f" (got {short(value)})"
+    msg = " ".join(msg.split()) if "\n" in msg else msg
+    if len(msg) > MAX_MESSAGE:
+        msg = msg[:MAX_MESSAGE - 3] + "..."
     return f"{dotted(loc) or '(top level)'}: {msg}{got}"
 
 

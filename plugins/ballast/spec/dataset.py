@@ -72,11 +72,14 @@ class DatasetSpec(Section):
     @model_validator(mode="after")
     def _check_fields(self) -> DatasetSpec:
         names = [f.name for f in self.fields]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        seen: set[str] = set()
+        dupes: set[str] = set()
+        for name in names:  # one pass: a spec may list many fields
+            (dupes if name in seen else seen).add(name)
         if dupes:
-            raise ValueError(f"fields: duplicate field name(s) {', '.join(dupes)}")
-        if self.label not in names:
-            raise ValueError(f"label: {self.label!r} is not one of the fields ({', '.join(names)})")
+            raise ValueError(f"fields: duplicate field name(s) {_listed(sorted(dupes))}")
+        if self.label not in seen:
+            raise ValueError(f"label: {self.label!r} is not one of the fields ({_listed(names)})")
         label = next(f for f in self.fields if f.name == self.label)
         if label.type not in ("int32", "int64", "uint8") or label.shape:
             raise ValueError(f"label: field {self.label!r} must be a scalar integer (got {label.type} {list(label.shape)})")
@@ -89,3 +92,8 @@ class DatasetSpec(Section):
     def features(self) -> tuple[FieldSpec, ...]:
         return tuple(f for f in self.fields if f.name != self.label)
 
+
+def _listed(names: list[str], limit: int = 10) -> str:
+    """The first `limit` names, comma-separated, and how many more: a message stays one short line."""
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

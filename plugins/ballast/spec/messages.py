@@ -14,46 +14,50 @@ from pydantic import BaseModel, ValidationError
 from ballast.errors import SpecError
 from training.config.messages import describe, one_line
 
+MAX_PROBLEMS = 20
+"""Problems reported per spec; the rest are counted (a 50,000-item list of wrong types is 50,000 errors)."""
 
-def validation_error(exc: ValidationError, root: type[BaseModel], *, source: str, text: str | None) -> SpecError:
-    """A SpecError with one line per pydantic error, each pointing at the nearest line of `text`."""
-    lines = line_index(text) if text else {}
+
+def validation_error(exc: ValidationError, root: type[BaseModel], *, source: str, text: str | None,
+                     node: Any = None) -> SpecError:
+    """A SpecError with one line per pydantic error (at most MAX_PROBLEMS, then a count), each pointing
+    at the nearest line of the YAML document: `node` as composed, else `text`."""
+    if node is None and text:
+        try:
+            node = yaml.compose(text, Loader=_Loader)
+        except (yaml.YAMLError, RecursionError):
+            node = None
     problems = []
-    for err in exc.errors():
+    errors = exc.errors(include_url=False)
+    for err in errors[:MAX_PROBLEMS]:
         loc, msg, value = describe(err, root)
-        line = nearest_line(lines, loc)
+        line = nearest_line(node, loc)
         problems.append(f"{source}:{line}: {one_line(loc, msg, value)}" if line else
                         f"{source}: {one_line(loc, msg, value)}")
+    if len(errors) > MAX_PROBLEMS:
+        problems.append(f"{source}: ... and {len(errors) - MAX_PROBLEMS} more problems")
     return SpecError(problems)
 
 
-def line_index(text: str) -> dict[tuple, int]:
-    """Map each key/item path in the YAML document to its 1-based line number."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return {}
-    index: dict[tuple, int] = {}
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-    def walk(node: Any, path: tuple) -> None:
-        index[path] = node.start_mark.line + 1
+
+def nearest_line(root: yaml.Node | None, loc: tuple) -> int | None:
+    """The 1-based line of the deepest key or item of `loc` in the composed document `root`, found by
+    following `loc` down from the root: never a walk of the whole document, which aliases can make
+    endless (a 300-byte YAML alias bomb is 9^9 values deep and wide)."""
+    node, line = root, None
+    for part in loc:
         if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                kpath = path + (key.value,)
-                walk(value, kpath)
-                index[kpath] = key.start_mark.line + 1
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, path + (i,))
-
-    if root is not None:
-        walk(root, ())
-    return index
-
-
-def nearest_line(index: dict[tuple, int], loc: tuple) -> int | None:
-    while loc:
-        if loc in index:
-            return index[loc]
-        loc = loc[:-1]
-    return None
+            # The last of equal keys: the one the loader kept.
+            pair = next((p for p in reversed(node.value) if isinstance(p[0], yaml.ScalarNode) and p[0].value == part),
+                        None)
+            if pair is None:
+                break
+            line, node = pair[0].start_mark.line + 1, pair[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
