@@ -87,6 +87,15 @@ def test_a_node_resuming_pulls_only_the_checkpoint_it_resumes_from(storage_uri, 
     assert "model.pt: sha256 does not match the manifest" in caplog.text
     # checkpoint.resume false: the node starts from step 0 and pulls nothing.
     assert checkpoint_sync.pull_for_resume(context(storage_uri, resume=False), tmp_path / "node3") == []
+    # Non-finite weights verify against their manifest but fail the resume gate: the node goes on to the
+    # next (30 is damaged in storage above), as the trainer's resume would have.
+    import torch
+
+    saver.save(40, {"model.pt": {"w": torch.full((3,), float("nan"))}}, {ckpt.TRAINER_STATE: {"step": 40}},
+               keep=set(), asynchronous=False)
+    checkpoint_sync.push(ctx, tmp_path / "worker")
+    assert checkpoint_sync.pull_for_resume(context(storage_uri, keep_last=5), tmp_path / "node4") == steps(20)
+    assert sorted(p.name for p in (tmp_path / "node4").iterdir()) == steps(20)
 
 
 def test_pushing_a_checkpoint_whose_marker_exists_but_manifest_fails_is_refused(storage_uri, tmp_path, caplog):

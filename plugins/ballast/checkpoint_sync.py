@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from ballast.context import RunContext
 from ballast.errors import StorageError
 from ballast.storage import Storage, safe_join
+
+
+PULLING = ".pulling"  # where a pulled checkpoint waits for its check, beside the checkpoints
 
 
 def _prefix(ctx: RunContext) -> str:
@@ -58,16 +62,22 @@ def stored_files(storage: Storage, prefix: str, name: str) -> list[str] | None:
 
 
 def pull_for_resume(ctx: RunContext, ckpt_dir: Path) -> list[str]:
-    """What a node resumes from, and nothing else: the newest checkpoint in storage that verifies here
-    (the last `resume_average_last` of them when resuming from their average); none without resume."""
+    """What a node resumes from, and nothing else: the newest checkpoint in storage that passes the
+    trainer's resume gate here (`training.checkpoint.gate.check` without a probe; the last
+    `resume_average_last` of them when resuming from their average); none without resume."""
+    from training.checkpoint import gate
+
     settings = ctx.spec.training.checkpoint
-    return pull(ctx, ckpt_dir, newest=max(1, settings.resume_average_last) if settings.resume else 0)
+    return pull(ctx, ckpt_dir, newest=max(1, settings.resume_average_last) if settings.resume else 0,
+                check=gate.check)
 
 
-def pull(ctx: RunContext, ckpt_dir: Path, *, newest: int | None = None) -> list[str]:
+def pull(ctx: RunContext, ckpt_dir: Path, *, newest: int | None = None,
+         check: Callable[[Path], object] | None = None) -> list[str]:
     """Copy the committed checkpoints in storage that this disk lacks, newest first, until `newest` of
     them are here (None: all); the names pulled, oldest first. Each is downloaded beside its final place
-    and moved there only once it verifies; one that does not is logged and skipped."""
+    and moved there only once it passes `check` (default: `training.checkpoint.verify`); one that does
+    not is logged and skipped."""
     from training import checkpoint as ckpt
 
     prefix = _prefix(ctx)
@@ -76,26 +86,28 @@ def pull(ctx: RunContext, ckpt_dir: Path, *, newest: int | None = None) -> list[
     for name in reversed(stored(ctx.storage, prefix)):
         if newest is not None and ready >= newest:
             break
-        if name in have or _pull_one(ctx, prefix, name, ckpt_dir):
+        if name in have or _pull_one(ctx, prefix, name, ckpt_dir, check or ckpt.verify):
             ready += 1
             pulled += [] if name in have else [name]
     return sorted(pulled)
 
 
-def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path) -> bool:
+def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path, check: Callable[[Path], object]) -> bool:
     from training import checkpoint as ckpt
 
     files = stored_files(ctx.storage, prefix, name)
     if files is None:
         return False
-    tmp, final = safe_join(ckpt_dir, f".{name}.pull"), safe_join(ckpt_dir, name)
+    # Downloaded under its own name (what the checks read) in a directory no reader of ckpt_dir lists.
+    staging, final = safe_join(ckpt_dir, PULLING), safe_join(ckpt_dir, name)
+    tmp = staging / name
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         for f in files:
             ctx.storage.download(f"{prefix}{name}/{f}", tmp / f)
-        ckpt.verify(tmp)
+        check(tmp)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # no half-pulled directory stays on the disk
+        shutil.rmtree(staging, ignore_errors=True)  # no half-pulled directory stays on the disk
         if not isinstance(exc, ckpt.CheckpointFailure):
             raise  # storage unreachable: the try fails and is retried, rather than resuming from older
         ctx.log.warning("checkpoint in storage skipped: %s (%s)", ctx.storage.describe(f"{prefix}{name}"), exc)
@@ -104,6 +116,7 @@ def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path) -> bool:
         ckpt.uncommit(final)
         shutil.rmtree(final)
     tmp.rename(final)
+    shutil.rmtree(staging, ignore_errors=True)
     return True
 
 
