@@ -222,3 +222,77 @@ def test_an_unexpected_error_building_one_spec_is_that_spec_s_import_error_alone
     (path, message), = bag.import_errors.items()
     assert path.endswith("ballast_pipelines.py")
     assert f"{dags / 'specs' / 'other.yaml'}: cannot build its DAG: KeyError: 'recovery'" in message, message
+
+
+# --- item 11: numbers with the bounds their users need ----------------------------------------------------
+
+INF, NAN = float("inf"), float("nan")
+
+BOUNDS = [
+    ("grace_inf", lambda d: d["recovery"].update(preempt_grace_seconds=INF),
+     r"recovery\.preempt_grace_seconds: must be a finite number \(got inf\)"),
+    ("grace_past_sbatch_signal", lambda d: d["recovery"].update(preempt_grace_seconds=65536),
+     r"recovery\.preempt_grace_seconds: must be <= 65535 \(got 65536\)"),
+    ("seed_negative", lambda d: d["training"].update(seed=-1), r"training\.seed: must be >= 0 \(got -1\)"),
+    ("seed_past_32_bits", lambda d: d["training"].update(seed=2**32),
+     r"training\.seed: must be <= 4294967295 \(got 4294967296\)"),
+    ("split_seed_negative", lambda d: d["dataset"]["split"].update(seed=-1),
+     r"dataset\.split\.seed: must be >= 0 \(got -1\)"),
+    ("hang_timeout_inf", lambda d: d["execution"].update(hang_timeout_seconds=INF),
+     r"execution\.hang_timeout_seconds: must be a finite number \(got inf\)"),
+    ("loss_scale_inf", lambda d: d["training"].update(loss_scale={"initial": INF}),
+     r"training\.loss_scale\.initial: must be a finite number \(got inf\)"),
+    ("loss_scale_past_fp16", lambda d: d["training"].update(loss_scale={"initial": 1e300}),
+     r"training\.loss_scale\.initial: must be <= 16777216"),
+    ("loss_scale_growth_past_int64", lambda d: d["training"].update(loss_scale={"growth_interval": 2**63}),
+     r"training\.loss_scale\.growth_interval: must be <= 1000000"),
+    ("learning_rate_nan", lambda d: d["training"].update(learning_rate=NAN),
+     r"training\.learning_rate: must be a finite number \(got nan\)"),
+    ("rule_bound_inf", lambda d: d["validation"]["rules"][3].update(max=INF),
+     r"validation\.rules\[3\]\.max: must be a finite number \(got inf\)"),
+    ("checkpoint_every_inf", lambda d: d["training"].update(checkpoint={"every_seconds": INF}),
+     r"training\.checkpoint\.every_seconds: must be a finite number"),
+    ("cache_wait_past_a_year", lambda d: d["cache"].update(wait_seconds=1e12),
+     r"cache\.wait_seconds: must be <= 31536000"),
+    ("shape_past_int64", lambda d: d["dataset"]["fields"][0].update(shape=[2**32, 2**32]),
+     r"dataset\.fields\[0\]\.shape: 18446744073709551616 elements per value \(4294967296 x 4294967296\);"
+     r" at most 2147483648"),
+    ("shape_of_many_dimensions", lambda d: d["dataset"]["fields"][0].update(shape=[1] * 9),
+     r"dataset\.fields\[0\]\.shape: .*at most 8"),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("edit,pattern", [b[1:] for b in BOUNDS], ids=[b[0] for b in BOUNDS])
+def test_numbers_out_of_bounds_get_one_line_naming_the_field(tmp_path, edit, pattern):
+    path = write_spec(tmp_path / "bad.yaml", edit)
+    with pytest.raises(SpecError, match=pattern) as info:
+        load_spec(path)
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith(f"{path}:"), info.value.problems
+
+
+@pytest.mark.unit
+def test_the_largest_accepted_values_still_load(tmp_path):
+    def edit(d):
+        d["recovery"]["preempt_grace_seconds"] = 65535
+        d["training"].update(seed=2**32 - 1, loss_scale={"initial": 2.0**24})
+        d["dataset"]["split"]["seed"] = 2**32 - 1
+        d["dataset"]["fields"][0]["shape"] = [2**15, 2**16]
+
+    spec = load_spec(write_spec(tmp_path / "big.yaml", edit))
+    assert spec.recovery.preempt_grace_seconds == 65535 and spec.training.seed == 2**32 - 1
+
+
+@pytest.mark.unit
+def test_the_run_config_refuses_what_the_spec_refuses():
+    from ballast.launch_spec import run_config
+    from training.failure import ConfigFailure
+
+    cfg = run_config(load_spec(EXAMPLE_SPEC), data_dir=".", data_format="petastorm", checkpoint_dir=".",
+                     output_dir=".")
+    with pytest.raises(ConfigFailure, match=r"execution\.hang_timeout_seconds: must be a finite number \(got inf\)"):
+        cfg.updated({"execution.hang_timeout_seconds": INF})
+    with pytest.raises(ConfigFailure, match=r"model\.input_shape: 18446744073709551616 elements per value"):
+        cfg.updated({"model.input_shape": [2**32, 2**32]})
+    with pytest.raises(ConfigFailure, match=r"seed: must be >= 0 \(got -1\)"):
+        cfg.updated({"seed": -1})

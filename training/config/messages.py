@@ -49,7 +49,10 @@ def describe(err: dict[str, Any], root: type[BaseModel]) -> tuple[tuple, str, An
     elif kind == "missing":
         msg, value = "required field is missing", NOVALUE
     elif kind in _BOUNDS:
-        msg = f"must be {_BOUNDS[kind]} {next(iter(ctx.values()))}"
+        bound = next(iter(ctx.values()))
+        if isinstance(bound, float) and bound.is_integer() and abs(bound) < 2**53:
+            bound = int(bound)  # a float field's bound: 65535, not 65535.0
+        msg = f"must be {_BOUNDS[kind]} {bound}"
     elif kind == "literal_error" and loc and loc[-1] == "[key]":  # a mapping's key, e.g. a failure class
         loc = loc[:-1]
         msg = f"unknown key {value!r}; must be one of {ctx.get('expected')}"

@@ -16,10 +16,10 @@ from training.config.messages import describe, one_line
 from pydantic import Field
 
 from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
-                                      EarlyStopSettings, ExecutionSettings, LoaderSettings, ModelSettings,
-                                      MonitorSettings, NumClasses, NumericsSettings, OptimSettings, PositiveInt,
-                                      RecoverySettings, RehearsalSettings, ResourceSettings, RunSettings,
-                                      Section)
+                                      EarlyStopSettings, ExecutionSettings, LoaderSettings, MAX_SECONDS,
+                                      ModelSettings, MonitorSettings, NumClasses, NumericsSettings,
+                                      OptimSettings, RecoverySettings, RehearsalSettings, ResourceSettings,
+                                      RunSettings, Section, Shape)
 from training.failure import ConfigFailure
 
 RUN_CONFIG_VERSION = 1
@@ -30,7 +30,7 @@ RUN_CONFIG_VERSION = 1
 class ModelConfig(ModelSettings):
     """The architecture and the shapes it is built for; checkpoints record this section."""
 
-    input_shape: tuple[PositiveInt, ...] = Field(min_length=1)
+    input_shape: Shape = Field(min_length=1)
     """Shape of one input sample: the feature's shape, [1] for a scalar."""
     num_classes: NumClasses
     """Number of classes the model predicts."""
@@ -50,7 +50,7 @@ class BatchConfig(BatchSettings):
 class DistributedConfig(DistributedSettings):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto: NCCL where CUDA is available, gloo otherwise."""
-    timeout_seconds: float = Field(600.0, gt=0)
+    timeout_seconds: float = Field(600.0, gt=0, le=MAX_SECONDS)
     """Timeout of the process group's collectives."""
 
 
@@ -63,7 +63,7 @@ class DataConfig(LoaderSettings):
     """Name of the feature column."""
     label: str
     """Name of the label column."""
-    wait_seconds: float = Field(0.0, ge=0.0)
+    wait_seconds: float = Field(0.0, ge=0.0, le=MAX_SECONDS)
     """How long to wait for a shard that a staged cache warm-up is still bringing."""
 
 

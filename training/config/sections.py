@@ -14,13 +14,36 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from training.config import docstrings
 from training.models import MODEL_NAMES, OPTIMIZER_NAMES
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NumClasses = Annotated[int, Field(ge=2, le=100_000)]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+"""A seed every consumer takes: numpy's SeedSequence refuses negatives, its legacy seeding 2^32 and up."""
+MAX_SECONDS = 31_536_000.0
+"""A year: the longest duration any setting needs (timers and timedeltas overflow far above it)."""
+MAX_SHAPE_ELEMENTS = 2**31
+"""Elements in one value of a field: what a 32-bit index reaches (int64 products overflow far sooner)."""
+MAX_SHAPE_DIMENSIONS = 8
+
+
+def _bounded_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) > MAX_SHAPE_DIMENSIONS:
+        raise ValueError(f"{len(shape)} dimensions; at most {MAX_SHAPE_DIMENSIONS}")
+    elements = 1
+    for size in shape:
+        elements *= size
+    if elements > MAX_SHAPE_ELEMENTS:
+        raise ValueError(f"{elements} elements per value ({' x '.join(map(str, shape))}); at most"
+                         f" {MAX_SHAPE_ELEMENTS} (2^31)")
+    return shape
+
+
+Shape = Annotated[tuple[PositiveInt, ...], AfterValidator(_bounded_shape)]
+"""The shape of one value: at most MAX_SHAPE_DIMENSIONS dimensions and MAX_SHAPE_ELEMENTS elements."""
 DataFormat = Literal["petastorm", "tfrecord"]
 FaultKind = Literal["crash", "oom", "nan", "spike", "hang", "sigterm", "error", "comm", "corrupt", "ecc"]
 
@@ -30,7 +53,8 @@ class Section(BaseModel):
 
     # The validator is built at first use (not at import: the spec builds only what it validates), and
     # the descriptions come from training.config.docstrings, a cheaper reader than pydantic's own.
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+    # No setting is infinite or NaN: .inf turned guards off and overflowed where a number became an int.
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -109,9 +133,10 @@ class OptimSettings(Section):
 
 
 class LossScaleSettings(Section):
-    initial: float = Field(8192.0, gt=0)
-    """Initial dynamic loss scale for fp16 (seed documents: 8192; PyTorch's default is 65536)."""
-    growth_interval: int = Field(100, ge=1)
+    initial: float = Field(8192.0, gt=0, le=2**24)
+    """Initial dynamic loss scale for fp16 (seed documents: 8192; PyTorch's default is 65536); at most
+    2^24, since every step whose scaled gradients overflow fp16 is skipped while the scale halves."""
+    growth_interval: int = Field(100, ge=1, le=1_000_000)
     """Steps without overflow before the scale grows (seed documents: 100; PyTorch's default is 2000)."""
 
 
@@ -172,7 +197,7 @@ class LoaderSettings(Section):
 class CheckpointSettings(Section):
     every_steps: int | None = Field(None, ge=1)
     """Save every N optimizer steps (in addition to every_seconds and the end of each epoch)."""
-    every_seconds: float = Field(3600.0, gt=0)
+    every_seconds: float = Field(3600.0, gt=0, le=MAX_SECONDS)
     """Save at least this often (seed documents: hourly)."""
     keep_last: int = Field(3, ge=1, le=100)
     """Committed checkpoints kept, besides the best one."""
@@ -232,12 +257,13 @@ class EarlyStopSettings(Section):
 
 
 class RecoverySettings(Section):
-    preempt_grace_seconds: float = Field(60.0, gt=0)
-    """After SIGTERM (preemption notice), time allowed to commit a checkpoint before exiting."""
+    preempt_grace_seconds: float = Field(60.0, gt=0, le=65535)
+    """After SIGTERM (preemption notice), time allowed to commit a checkpoint before exiting; at most
+    65535 (sbatch --signal's limit; the pods' terminationGracePeriodSeconds on Kubernetes)."""
 
 
 class ExecutionSettings(Section):
-    hang_timeout_seconds: float = Field(1800.0, gt=0)
+    hang_timeout_seconds: float = Field(1800.0, gt=0, le=MAX_SECONDS)
     """A training process without a finished step for this long counts as hung: its stacks are dumped
     and it is ended."""
     metrics_port: int | None = Field(None, ge=1024, le=65000)
@@ -255,7 +281,7 @@ class FaultSettings(Section):
     (a GPU's uncorrectable ECC error, as CUDA reports it: a hardware failure)."""
     step: int | None = Field(None, ge=1)
     """Optimizer step (1-based) before whose forward pass the fault fires; once per run."""
-    seconds: float | None = Field(None, gt=0)
+    seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """Or: fire before the first step once the training process has run this long (once per run)."""
     rank: int | None = Field(None, ge=0)
     """Only on this rank; every rank if unset."""
@@ -276,12 +302,12 @@ class RehearsalSettings(Section):
     BALLAST_FAULTS (a JSON list of the same objects) adds to them."""
     max_steps: int | None = Field(None, ge=1)
     """End training (with a checkpoint) after this many optimizer steps."""
-    max_seconds: float | None = Field(None, gt=0)
+    max_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """End training (with a checkpoint) once this much wall time has passed in the process."""
 
 
 class RunSettings(Section):
     epochs: int = Field(ge=1, le=100_000)
     """Upper bound on epochs; early stopping may end sooner."""
-    seed: int = 0
-    """Seed of model init, shuffling and dropout."""
+    seed: Seed = 0
+    """Seed of model init, shuffling and dropout (0 to 2^32 - 1)."""

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from training.config.sections import DataFormat, Section
+from training.config.sections import MAX_SECONDS, DataFormat, Section
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
 
@@ -52,11 +52,11 @@ class CacheSpec(Section):
         CacheStageSpec(name="rest", fraction=1.0),
     )
     """Stages in order; the last must reach fraction 1.0. Validation and test shards come last."""
-    max_bytes: int | None = Field(None, ge=1)
+    max_bytes: int | None = Field(None, ge=1, le=2**63 - 1)
     """Byte budget of the cache; warming refuses to start a stage that would exceed it."""
     concurrency: int = Field(4, ge=1, le=64)
     """Parallel downloads."""
-    wait_seconds: float = Field(3600.0, gt=0)
+    wait_seconds: float = Field(3600.0, gt=0, le=MAX_SECONDS)
     """How long training waits for a shard that a later warm-up phase (cache.stages) has not brought yet."""
 
     @field_validator("stages")

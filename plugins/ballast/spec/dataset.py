@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from training.config.sections import NumClasses, PositiveInt, Section
+from training.config.sections import NumClasses, Section, Seed, Shape
 
 FieldType = Literal["float32", "float64", "int32", "int64", "uint8", "bool", "string"]
 
@@ -16,8 +16,9 @@ class FieldSpec(Section):
     """Column name in the raw data."""
     type: FieldType
     """Element type. Array fields are stored flattened, row-major."""
-    shape: tuple[PositiveInt, ...] = ()
-    """Shape of one value; `[]` for a scalar, e.g. `[8, 8]` for an 8x8 image."""
+    shape: Shape = ()
+    """Shape of one value; `[]` for a scalar, e.g. `[8, 8]` for an 8x8 image. At most 8 dimensions and
+    2^31 elements."""
     codec: Literal["auto", "png", "jpeg", "ndarray"] = "auto"
     """How the Petastorm dataset stores an array field: `png` or `jpeg` (compressed images; uint8 of
     shape [H, W] or [H, W, 3]), `ndarray` (numpy bytes, any type). `auto`: png for uint8 images,
@@ -50,8 +51,8 @@ class SplitSpec(Section):
     """Fraction of rows held out for per-epoch validation (early stopping)."""
     test: float = Field(0.1, gt=0.0, lt=0.5)
     """Fraction of rows held out for the final evaluation; never seen in training."""
-    seed: int = 0
-    """Seed of the deterministic row-to-split assignment."""
+    seed: Seed = 0
+    """Seed of the deterministic row-to-split assignment (0 to 2^32 - 1)."""
 
 
 class DatasetSpec(Section):

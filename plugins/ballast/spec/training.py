@@ -57,7 +57,7 @@ class TrainingSpec(ResourceSettings, LoaderSettings, DistributedSettings, Numeri
     rounds: int = Field(1, ge=1, le=100)
     """Train in this many rounds of epochs / rounds epochs each, one train -> verify -> evaluate group of
     tasks per round; when early stopping ends training, the later rounds are skipped (1: one train task)."""
-    lr_reference_batch_size: int | None = Field(None, ge=1)
+    lr_reference_batch_size: int | None = Field(None, ge=1, le=16_777_216)
     """If set, the learning rate is scaled linearly by global_batch_size / this (seed documents: 32 per
     device as the reference)."""
     checkpoint: CheckpointSettings = CheckpointSettings()
