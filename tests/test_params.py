@@ -5,6 +5,7 @@ ballast.localrun.run_dag), and the REST trigger (tests/test_e2e.py, with the rea
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -65,3 +66,32 @@ def test_dag_test_refuses_an_unknown_key_at_the_first_task_and_a_bad_value_befor
     assert all(state != "success" for task, (state, _) in states.items() if task != "validate")
     out = "".join(capfd.readouterr())  # dag.test runs the tasks in this process; their log comes out here
     assert "unknown parameter(s) lr" in out and "closest: lr -> learning_rate?" in out, out[-3000:]
+
+
+AUTHOR_ONLY = ["name", "version", "owner", "storage.uri", "storage.conn_id", "dataset.location", "cache.directory",
+               "execution.env", "execution.backend", "execution.kubernetes.image", "execution.slurm.python",
+               "conversion.spark_master", "notifications.webhook.conn_id", "training.rehearsal.scheduled"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("path", AUTHOR_ONLY)
+def test_overridable_refuses_what_only_the_spec_s_author_may_set(tmp_path, path):
+    """Identity, storage, locations, directories, the environment, where and how training runs, who is
+    notified, and the rehearsal safeguards: a person who can trigger a run must not change them."""
+    from helpers import write_spec
+
+    spec = write_spec(tmp_path / "spec.yaml", lambda d: d["overridable"].append(path))
+    with pytest.raises(SpecError, match=rf"spec\.yaml:\d+: overridable: '{re.escape(path)}' is the spec author's"
+                                        rf" alone \(.+\); a run parameter cannot change it$") as info:
+        load_spec(spec)
+    assert len(info.value.problems) == 1
+
+
+@pytest.mark.unit
+def test_fields_a_run_may_change_stay_overridable(tmp_path):
+    from helpers import write_spec
+
+    fine = ["training.seed", "training.rehearsal.max_steps", "execution.hang_timeout_seconds", "cache.concurrency",
+            "storage.max_attempts"]
+    spec = load_spec(write_spec(tmp_path / "spec.yaml", lambda d: d["overridable"].extend(fine)))
+    assert apply_overrides(spec, {"seed": 3, "max_steps": 5}).training.seed == 3

@@ -15,8 +15,34 @@ from pydantic import BaseModel, ValidationError
 from ballast.errors import SpecError
 
 
+AUTHOR_ONLY: dict[str, str] = {
+    "version": "the spec's format",
+    "name": "the pipeline's identity: its DAG, its run directories, its models",
+    "owner": "the pipeline's owner",
+    "storage.uri": "where the data, checkpoints and models live",
+    "storage.conn_id": "the connection, and so the credentials, storage is reached with",
+    "dataset.location": "where the raw data is read",
+    "cache.directory": "a directory on the worker and the nodes",
+    "conversion.spark_master": "where the conversion runs",
+    "execution.backend": "where training runs",
+    "execution.env": "the training processes' environment",
+    "execution.kubernetes": "the pods' image, account, secrets and volumes",
+    "execution.slurm": "the job's partitions, account and interpreter",
+    "notifications": "who hears of the pipeline, through which connections",
+    "training.rehearsal.scheduled": "a rehearsal safeguard",
+}
+"""Fields (and sections, with every field below them) no run parameter may change: identity, storage,
+locations, directories, the environment, where and as whom training runs, who is notified. Whoever may
+trigger a run could otherwise read or write another pipeline's files, or run code of their choosing."""
+
+
 def resolve_field(path: str, root: type[BaseModel]) -> tuple[type[BaseModel], str]:
-    """Resolve a dotted path to (owning model class, field name); only scalar fields qualify."""
+    """Resolve a dotted path to (owning model class, field name); only scalar fields qualify, and none
+    of AUTHOR_ONLY."""
+    for prefix, what in AUTHOR_ONLY.items():
+        if path == prefix or path.startswith(prefix + "."):
+            raise ValueError(f"overridable: {path!r} is the spec author's alone ({what}); a run parameter cannot"
+                             f" change it")
     model: type[BaseModel] = root
     parts = path.split(".")
     for i, part in enumerate(parts):
