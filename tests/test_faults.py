@@ -440,3 +440,29 @@ def test_a_monitor_setting_reaches_the_anomaly_policy_from_the_spec():
     d["training"]["monitors"]["max_rollbacks"] = -1
     with pytest.raises(SpecError, match=r"training\.monitors\.max_rollbacks: must be >= 0 \(got -1\)"):
         parse_spec(d)
+
+
+@pytest.mark.unit
+def test_faults_from_the_environment_fire_only_where_the_run_config_allows_a_rehearsal(monkeypatch, capsys):
+    from training.config.run import RehearsalConfig
+    from training.faults import load_faults
+
+    monkeypatch.setenv("BALLAST_FAULTS", '[{"kind": "crash", "step": 3}]')
+    assert load_faults(RehearsalConfig()) == []  # a node's environment alone starts no fault
+    assert "BALLAST_FAULTS ignored" in capsys.readouterr().err
+    assert [(f.kind, f.step) for f in load_faults(RehearsalConfig(env_faults=True))] == [("crash", 3)]
+
+
+@pytest.mark.unit
+def test_the_orchestrator_allows_environment_faults_only_in_a_rehearsal_try():
+    from ballast.launch_spec import run_config
+    from ballast.spec import load_spec
+    from helpers import EXAMPLE_SPEC
+    from training.config.sections import FaultSettings
+
+    spec = load_spec(EXAMPLE_SPEC)
+    paths = dict(data_dir=".", data_format="petastorm", checkpoint_dir=".", output_dir=".")
+    assert run_config(spec, **paths).rehearsal.env_faults is False
+    assert run_config(spec, faults=(), **paths).rehearsal.env_faults is False  # rehearsal off, or a scheduled run
+    rehearsal = run_config(spec, faults=(FaultSettings(kind="oom", step=2),), **paths).rehearsal
+    assert rehearsal.env_faults is True

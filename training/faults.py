@@ -3,8 +3,10 @@ be preempted at a given step on a given rank.
 
 Faults come from the run config's rehearsal section (`rehearsal.faults: [{kind, step, rank}]`, also
 `training.rehearsal.faults` in a spec) or the environment
-(`BALLAST_FAULTS='[{"kind": "oom", "step": 12}]'`). Each fires once: a marker file in the output
-directory stops it from firing again when a restarted group replays the same step.
+(`BALLAST_FAULTS='[{"kind": "oom", "step": 12}]'`), the latter only where the run config says
+`rehearsal.env_faults` (the orchestrator's rehearsal rules allowed faults in this try). Each fires once:
+a marker file in the output directory stops it from firing again when a restarted group replays the
+same step.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
@@ -31,11 +34,16 @@ def _marker(fault: Fault, out_dir: Path, rank: int) -> Path:
     return out_dir / f".fault-{fault.kind}-{when}-try{fault.on_try or 0}-rank{rank}.fired"
 
 
-def load_faults(configured: tuple[Fault, ...] | list[Fault]) -> list[Fault]:
-    """The run config's faults plus those in BALLAST_FAULTS (a JSON list of the same objects)."""
-    faults = list(configured)
+def load_faults(rehearsal: Any) -> list[Fault]:
+    """The run config's faults (its `rehearsal` section) plus those in BALLAST_FAULTS (a JSON list of the
+    same objects) where the section allows them (`env_faults`): an environment variable set on a node,
+    by an operator or in a spec's execution.env, must not skip the rehearsal rules."""
+    faults = list(rehearsal.faults)
     env = os.environ.get("BALLAST_FAULTS")
-    if env:
+    if env and not getattr(rehearsal, "env_faults", False):
+        print("[train] BALLAST_FAULTS ignored: this try is no rehearsal (the run config's rehearsal.env_faults is"
+              " false)", file=sys.stderr, flush=True)
+    elif env:
         try:
             raw = json.loads(env)
             faults += [FaultSettings.model_validate(f) for f in (raw if isinstance(raw, list) else [raw])]

@@ -59,7 +59,7 @@ class Trainer:
         self._started = time.monotonic()
         self.limit_reached = False
         self.metrics = Metrics(out_dir=self.out, rank=self.rank, port=cfg.execution.metrics_port, identity=cfg.identity)
-        self.faults = Injector(load_faults(cfg.rehearsal.faults), rank=self.rank, out_dir=self.out,
+        self.faults = Injector(load_faults(cfg.rehearsal), rank=self.rank, out_dir=self.out,
                                checkpoint_dir=Path(cfg.checkpoint.directory))
 
         # Resource guards: leave ~20% of the cores to data loading; cap GPU memory per process.

@@ -14,9 +14,9 @@ from pydantic import BaseModel
 
 from ballast.spec import Spec
 from training.config.run import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig, ModelConfig,
-                                 RunConfig, RunIdentity)
+                                 RehearsalConfig, RunConfig, RunIdentity)
 from training.config.sections import (EarlyStopSettings, ExecutionSettings, NumericsSettings, OptimSettings,
-                                      RecoverySettings, RehearsalSettings, ResourceSettings)
+                                      RecoverySettings, ResourceSettings)
 
 S = TypeVar("S", bound=BaseModel)
 
@@ -56,7 +56,7 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
         early_stop=_section(EarlyStopSettings, spec.evaluation),
         recovery=_section(RecoverySettings, spec.recovery),
         execution=_section(ExecutionSettings, spec.execution),
-        rehearsal=_section(RehearsalSettings, t.rehearsal, faults=tuple(faults or ())),
+        rehearsal=_section(RehearsalConfig, t.rehearsal, faults=tuple(faults or ()), env_faults=bool(faults)),
         identity=identity or RunIdentity(pipeline=spec.name),
     )
 

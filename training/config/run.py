@@ -75,6 +75,13 @@ class CheckpointConfig(CheckpointSettings):
     start from a published model); loaded without unpickling."""
 
 
+class RehearsalConfig(RehearsalSettings):
+    env_faults: bool = False
+    """Also inject the faults listed in the environment variable BALLAST_FAULTS. The orchestrator sets it
+    only for a try that injects the spec's rehearsal faults (rehearsal switched on for the run; a scheduled
+    run only with training.rehearsal.scheduled): a node's environment alone never starts a fault."""
+
+
 # --- the run config --------------------------------------------------------------------------------
 
 
@@ -122,7 +129,7 @@ class RunConfig(RunSettings):
     """What the process does on a preemption notice."""
     execution: ExecutionSettings = ExecutionSettings()
     """Hang watchdog and metrics endpoint."""
-    rehearsal: RehearsalSettings = RehearsalSettings()
+    rehearsal: RehearsalConfig = RehearsalConfig()
     """Injected faults and step/time budgets."""
     identity: RunIdentity = RunIdentity()
     """The pipeline, run and try (metric labels)."""

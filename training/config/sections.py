@@ -299,7 +299,7 @@ class FaultSettings(Section):
 class RehearsalSettings(Section):
     faults: tuple[FaultSettings, ...] = ()
     """Faults to inject, for rehearsing recovery (game days) and for tests. The environment variable
-    BALLAST_FAULTS (a JSON list of the same objects) adds to them."""
+    BALLAST_FAULTS (a JSON list of the same objects) adds to them, in a try that injects these."""
     max_steps: int | None = Field(None, ge=1)
     """End training (with a checkpoint) after this many optimizer steps."""
     max_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
