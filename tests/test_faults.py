@@ -377,6 +377,21 @@ def test_prometheus_endpoint_serves_training_metrics(tmp_path, digits_cache):
 
 
 @pytest.mark.integration
+def test_a_taken_metrics_port_does_not_end_training(tmp_path, digits_cache):
+    import socket
+
+    with socket.socket() as taken:  # another pipeline's rank on this worker
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_single(config(tmp_path, digits_cache, epochs=1, changes={"execution.metrics_port": port}))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"metrics port {port} is in use" in proc.stderr
+    served = int((tmp_path / "out" / "metrics-port-rank0").read_text())
+    assert served != port
+
+
+@pytest.mark.integration
 def test_average_export_cli(tmp_path):
     import torch
 

@@ -1,9 +1,14 @@
-"""training.metrics: the scores and the better/threshold rule that the trainer and evaluate share."""
+"""training.metrics: the scores and the better/threshold rule that the trainer and evaluate share; the
+per-rank Prometheus endpoint (training.monitor.Metrics) and how the ranks are found."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
+import socket
+import time
+import urllib.request
 
 import pytest
 import training.metrics
@@ -65,3 +70,48 @@ def test_the_metrics_module_imports_no_torch_at_module_level():
     top = [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
     top += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
     assert not [m for m in top if m.split(".")[0] == "torch"]
+
+
+def test_a_metrics_port_in_use_is_a_warning_and_another_port_the_rank_reports(tmp_path, capsys):
+    from training.monitor import Metrics
+
+    with socket.socket() as taken:  # another pipeline's rank, on the port this one was given
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        metrics = Metrics(out_dir=tmp_path, rank=0, port=port)
+        try:
+            assert metrics.port is not None and metrics.port != port
+            assert f"metrics port {port} is in use" in capsys.readouterr().err
+            assert (tmp_path / "metrics-port-rank0").read_text().strip() == str(metrics.port)
+            metrics.set(step=3)
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10) as resp:
+                assert "ballast_train_step" in resp.read().decode()
+        finally:
+            metrics.close()
+
+
+def test_discovery_lists_the_ports_the_ranks_bound(tmp_path, monkeypatch):
+    from ballast import prometheus_sd
+
+    monkeypatch.setenv("BALLAST_PROMETHEUS_SD_DIR", str(tmp_path / "targets"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics-port-rank1").write_text("9999\n")  # an earlier try's: gone before this one starts
+    path = prometheus_sd.publish(pipeline="p", dag_id="ballast_p", run_id="manual__1", try_number=1, port=9100,
+                                 ranks=2, out_dir=out)
+
+    def targets() -> list[str]:
+        return json.loads(path.read_text())[0]["targets"]
+
+    try:
+        assert targets() == ["127.0.0.1:9100", "127.0.0.1:9101"]
+        assert not (out / "metrics-port-rank1").exists()
+        (out / "metrics-port-rank1").write_text("40123\n")  # rank 1 found 9101 taken
+        deadline = time.monotonic() + 10
+        while targets() != ["127.0.0.1:9100", "127.0.0.1:40123"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert targets() == ["127.0.0.1:9100", "127.0.0.1:40123"]
+    finally:
+        prometheus_sd.withdraw(path)
+    assert not path.exists()

@@ -144,6 +144,9 @@ class Watchdog:
                 return
 
 
+PORT_FILE = "metrics-port-rank{rank}"
+"""In the output directory: the port a rank's metrics endpoint serves on (its own, where it was taken)."""
+
 LABELS = ("pipeline", "run", "try", "node", "rank")
 """Every metric's labels, in this order (stable: dashboards and alert rules select on them)."""
 
@@ -160,6 +163,7 @@ class Metrics:
         self.rank = rank
         self.events_path = out_dir / "metrics.jsonl"
         self.port = None
+        self._server: Any = None
         self._g: dict[str, Any] = {}
         self._children: dict[tuple, Any] = {}
         self.labels = {"pipeline": getattr(identity, "pipeline", "") or "", "run": getattr(identity, "run", "") or "",
@@ -193,9 +197,36 @@ class Metrics:
                                            registry=self.registry)
             for cls, n in (getattr(identity, "failures_before", None) or {}).items():
                 self._child("failures_before", failure_class=cls).set(n)
-            start_http_server(port + rank, addr=os.environ.get("BALLAST_METRICS_ADDR", "127.0.0.1"),
-                              registry=self.registry)
-            self.port = port + rank
+            self.port = self._serve(start_http_server, port + rank)
+
+    def _serve(self, start: Callable[..., Any], port: int) -> int | None:
+        """Serve the registry on `port`, or on a free port where that one is taken (another pipeline's rank
+        on this machine): a warning, never a crash. The port served is written to PORT_FILE, from which
+        the orchestrator lists this rank for Prometheus."""
+        addr = os.environ.get("BALLAST_METRICS_ADDR", "127.0.0.1")
+        try:
+            self._server, _ = start(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            try:
+                self._server, _ = start(0, addr=addr, registry=self.registry)
+            except OSError as again:
+                print(f"[train] rank {self.rank}: no metrics endpoint: cannot serve on {addr} ({again})",
+                      file=sys.stderr, flush=True)
+                return None
+            print(f"[train] rank {self.rank}: metrics port {port} is in use ({exc.strerror or exc}); serving on"
+                  f" {self._server.server_port} instead", file=sys.stderr, flush=True)
+        bound = self._server.server_port
+        tmp = self.out_dir / f".{PORT_FILE.format(rank=self.rank)}.tmp"
+        tmp.write_text(f"{bound}\n")
+        os.replace(tmp, self.out_dir / PORT_FILE.format(rank=self.rank))
+        return bound
+
+    def close(self) -> None:
+        """Stop serving (the process's end does too)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
     def _child(self, name: str, **labels: str):
         """The labelled gauge, looked up once (labels() takes a lock and builds a key on every call)."""

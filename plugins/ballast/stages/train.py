@@ -285,7 +285,7 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
 
     targets = uploader = None
     try:
-        targets = _publish_targets(ctx)
+        targets = _publish_targets(ctx, out_dir)
         if ctx.storage.local_path(ctx.run_key) is None:  # S3: the stability view reads progress from storage
             from ballast.outputs_sync import OutputsUpload
 
@@ -312,9 +312,10 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
     return result(ctx, cfg, out_dir, ckpt_dir, uploaded=upload_checkpoints(ctx, ckpt_dir))
 
 
-def _publish_targets(ctx: RunContext) -> Path | None:
-    """With execution.metrics_port, this try's rank endpoints in Prometheus' discovery directory (a
-    failure to write them is a warning: training does not depend on being watched)."""
+def _publish_targets(ctx: RunContext, out_dir: Path) -> Path | None:
+    """With execution.metrics_port, this try's rank endpoints in Prometheus' discovery directory, at the
+    ports the ranks report in `out_dir` (a failure to write them is a warning: training does not depend
+    on being watched)."""
     spec = ctx.spec
     if spec.execution.metrics_port is None:
         return None
@@ -323,7 +324,7 @@ def _publish_targets(ctx: RunContext) -> Path | None:
     try:
         return prometheus_sd.publish(pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id,
                                      try_number=ctx.try_number, port=spec.execution.metrics_port,
-                                     ranks=spec.training.processes_per_node)
+                                     ranks=spec.training.processes_per_node, out_dir=out_dir)
     except OSError as exc:
         ctx.log.warning("could not list the ranks for Prometheus in %s: %s", prometheus_sd.sd_dir(), exc)
         return None
