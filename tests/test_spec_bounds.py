@@ -1,6 +1,6 @@
-"""A spec cannot stall its reader, reach what only its author should, or carry a number the platform
-refuses: parsing is bounded in time and memory (aliases, size, nesting, messages), `overridable` keeps
-identity, storage and environment fields to the author, and every number has the bounds its users need."""
+"""A spec can neither stall its readers nor carry a number its consumers refuse: parsing is bounded in
+time and memory (size, aliases, nesting, messages), one spec's failure is that spec's alone, and every
+number is finite and within the bounds of what reads it (sbatch, numpy, torch, timers)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 from ballast.cli import main as cli
 from ballast.errors import SpecError
-from ballast.spec import apply_overrides, load_spec, parse_spec
+from ballast.spec import load_spec, parse_spec
 from helpers import EXAMPLE_SPEC, ROOT, example_data, write_spec
 
 LIMIT_S = 2.0

@@ -53,7 +53,7 @@ def unexpected(path: Path, exc: BaseException) -> str:
     """One line for an error no check anticipated while reading or rendering the spec at `path`."""
     detail = " ".join(str(exc).split())
     detail = detail if len(detail) <= 300 else detail[:297] + "..."
-    return f"{path}: cannot build its DAG: {type(exc).__name__}: {detail or 'no message'} (a Ballast bug: please report it)"
+    return f"{path}: cannot build its DAG: {type(exc).__name__}: {detail or 'no message'} (a bug of Ballast's)"
 
 
 def render(plan: Plan) -> DAG:
