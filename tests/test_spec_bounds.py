@@ -296,3 +296,13 @@ def test_the_run_config_refuses_what_the_spec_refuses():
         cfg.updated({"model.input_shape": [2**32, 2**32]})
     with pytest.raises(ConfigFailure, match=r"seed: must be >= 0 \(got -1\)"):
         cfg.updated({"seed": -1})
+
+
+@pytest.mark.unit
+def test_a_huge_unknown_key_is_cut_in_its_line(tmp_path):
+    key = "k" * 500_000
+    path = tmp_path / "key.yaml"
+    path.write_text(EXAMPLE_SPEC.read_text() + f"? {key}\n: 1\n")  # an explicit key: YAML's simple ones stop at 1024
+    with pytest.raises(SpecError, match=r"key\.yaml:\d+: k+\.\.\.: unknown key 'k+\.\.\.; allowed here:") as info:
+        load_spec(path)
+    assert len(info.value.problems) == 1 and len(info.value.problems[0]) < 1200

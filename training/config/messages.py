@@ -41,7 +41,7 @@ def describe(err: dict[str, Any], root: type[BaseModel]) -> tuple[tuple, str, An
             msg = rest
         value = NOVALUE
     elif kind == "extra_forbidden":
-        msg = f"unknown key {loc[-1]!r}"
+        msg = f"unknown key {short(loc[-1])}"
         allowed = allowed_keys(root, loc[:-1])
         if allowed:
             msg += f"; allowed here: {', '.join(allowed)}"
@@ -55,7 +55,7 @@ def describe(err: dict[str, Any], root: type[BaseModel]) -> tuple[tuple, str, An
         msg = f"must be {_BOUNDS[kind]} {bound}"
     elif kind == "literal_error" and loc and loc[-1] == "[key]":  # a mapping's key, e.g. a failure class
         loc = loc[:-1]
-        msg = f"unknown key {value!r}; must be one of {ctx.get('expected')}"
+        msg = f"unknown key {short(value)}; must be one of {ctx.get('expected')}"
         value = NOVALUE
     elif kind == "literal_error":
         msg = f"must be one of {ctx.get('expected')}"
@@ -159,7 +159,10 @@ def one_line(loc: tuple, msg: str, value: Any) -> str:
     msg = " ".join(msg.split()) if "\n" in msg else msg
     if len(msg) > MAX_MESSAGE:
         msg = msg[:MAX_MESSAGE - 3] + "..."
-    return f"{dotted(loc) or '(top level)'}: {msg}{got}"
+    path = dotted(loc) or "(top level)"
+    if len(path) > MAX_MESSAGE:  # a key of the user's own making can be long too
+        path = path[:MAX_MESSAGE - 3] + "..."
+    return f"{path}: {msg}{got}"
 
 
 def allowed_keys(root: type[BaseModel], loc: tuple) -> list[str]:
