@@ -95,3 +95,11 @@ def test_fields_a_run_may_change_stay_overridable(tmp_path):
             "storage.max_attempts"]
     spec = load_spec(write_spec(tmp_path / "spec.yaml", lambda d: d["overridable"].extend(fine)))
     assert apply_overrides(spec, {"seed": 3, "max_steps": 5}).training.seed == 3
+
+
+@pytest.mark.unit
+def test_a_flood_of_unknown_parameters_is_one_short_line():
+    spec = load_spec(EXAMPLE_SPEC)
+    with pytest.raises(SpecError, match=r"unknown parameter\(s\) p0, p1, .*, \.\.\. \(9991 more\); allowed") as info:
+        apply_overrides(spec, {f"p{i}": 1 for i in range(10_000)} | {"x" * 100_000: 1})
+    assert len(str(info.value)) < 1000

@@ -90,8 +90,12 @@ def check_parameter_names(spec: Any, names: Any, *, source: str = "run parameter
     unknown = sorted(set(names) - set(allowed))
     if not unknown:
         return
+    more = len(unknown) - 10
+    unknown = [n if len(n) <= 60 else n[:57] + "..." for n in unknown[:10]]  # a trigger's conf is anyone's
+    if more > 0:
+        unknown.append(f"... ({more} more)")
     hints = []
-    for name in unknown:
+    for name in unknown[:10]:
         close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
         if not close:  # abbreviations such as lr for learning_rate: the initials of the words
             close = [a for a in allowed if "".join(w[0] for w in a.split("_")) == name][:1]
