@@ -13,6 +13,7 @@ import yaml
 from ballast.backends import k8s_manifests, k8s_status, launch_for
 from ballast.backends.preview import earlier_tries
 from ballast.recovery import adapt
+from ballast.errors import SpecError
 from ballast.spec import parse_spec
 from helpers import example_data, write_spec
 from kubernetes.client import models as k8s
@@ -516,3 +517,12 @@ def test_every_trys_job_and_pods_carry_a_deadline_and_a_job_a_ttl(nodes, keep):
         assert main["spec"]["activeDeadlineSeconds"] == limit
         assert main["spec"]["ttlSecondsAfterFinished"] == (k8s_manifests.KEPT_TTL_SECONDS if keep else
                                                            k8s_manifests.FINISHED_TTL_SECONDS)
+
+
+@pytest.mark.unit
+def test_the_deadline_is_the_specs_kubernetes_time_limit():
+    spec = k8s_spec(nodes=2, time_limit_minutes=30)
+    main = docs(spec, launch(spec))[-1]
+    assert main["spec"]["activeDeadlineSeconds"] == 1800 == pod_spec(main)["activeDeadlineSeconds"]
+    with pytest.raises(SpecError, match=r"execution\.kubernetes\.time_limit_minutes"):
+        k8s_spec(time_limit_minutes=0)

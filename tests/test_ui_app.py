@@ -336,3 +336,30 @@ def test_a_run_page_lists_no_checkpoint_shards_and_finds_round_records(tmp_path)
     assert "stages/train.json" not in s["records"]["states"]
     assert not any("checkpoints" in d for d, _ in storage.listed), storage.listed
     assert all(limit == 1 for d, limit in storage.listed if d == f"{prefix}/"), storage.listed  # whether it exists
+
+
+@pytest.mark.unit
+def test_a_spec_that_fails_unexpectedly_leaves_the_other_pipelines_listed(tmp_path, monkeypatch, caplog):
+    """The pipeline catalogue parses specs on the API server's threads: any error in one spec is that spec's
+    alone (as in the DAG processor), never the catalogue's."""
+    import shutil
+
+    from ballast.spec import loading
+    from ballast.ui.pipelines import Catalog
+    from helpers import ROOT
+
+    shutil.copy(ROOT / "dags/specs/digits.yaml", tmp_path / "digits.yaml")
+    (tmp_path / "odd.yaml").write_text("name: odd\n")
+    real = loading.load_spec
+
+    def load_spec(path):
+        if path.name == "odd.yaml":
+            raise RecursionError("maximum recursion depth exceeded")  # what no SpecError covers
+        return real(path)
+
+    monkeypatch.setattr("ballast.spec.load_spec", load_spec)
+    from ballast.ui import pipelines
+
+    monkeypatch.setattr(pipelines.log, "handlers", [caplog.handler])  # (Airflow's logging may not propagate it)
+    assert list(Catalog(tmp_path).pipelines()) == ["ballast_digits"]
+    assert "odd.yaml: cannot be read as a Ballast spec" in caplog.text

@@ -34,8 +34,6 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 UID = 50000  # the training image's user (docker/training.Dockerfile)
 CACHE_MOUNT, WORK_MOUNT = "/cache", "/work"
-DEFAULT_TIME_LIMIT_MINUTES = 1440
-"""A try's time limit where the spec sets none for Kubernetes (Slurm's time_limit_minutes default)."""
 FINISHED_TTL_SECONDS = 3600
 """A finished Job is deleted by the cluster after this long, should no task be left to delete it."""
 KEPT_TTL_SECONDS = 7 * 86400
@@ -55,9 +53,7 @@ def deadline_seconds(spec: Spec) -> int:
     """activeDeadlineSeconds of a try's Job and pods: its time limit, after which the cluster ends it
     (SIGTERM, the grace period, then the end) even when no train task is left to: the Slurm time limit's
     counterpart. A Job's counts from its creation, pending time included."""
-    # The spec has no Kubernetes time limit yet: read one where a newer spec declares it.
-    minutes = getattr(_k8s(spec), "time_limit_minutes", None) or DEFAULT_TIME_LIMIT_MINUTES
-    return int(minutes) * 60
+    return _k8s(spec).time_limit_minutes * 60
 
 
 def _k8s(spec: Spec) -> KubernetesSpec:

@@ -134,6 +134,9 @@ class KubernetesSpec(Section):
     the path the workers see it at (a shared file system, as a Slurm cluster's)."""
     keep_failed_pods: bool = False
     """Keep a failed try's pods and Job for inspection (deleted otherwise, like a finished one's)."""
+    time_limit_minutes: int = Field(1440, ge=1, le=525_600)
+    """A try's time limit (its Job's and pods' activeDeadlineSeconds): the cluster ends the try then, even
+    when no train task is left to; the preemption notice comes recovery.preempt_grace_seconds before."""
 
     @field_validator("namespace", "service_account", "priority_class")
     @classmethod

@@ -7,12 +7,16 @@ and read again when a file there changes.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ballast.storage import Storage, open_storage
+
+
+log = logging.getLogger("ballast.ui")
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ def _read(files: list[Path]) -> dict[str, Pipeline]:
             spec = load_spec(path)
         except SpecError:
             continue  # the broken-specs DAG reports it; the view has no records of it
+        except Exception:  # noqa: BLE001  (as the DAG processor does: that spec alone, never the catalogue)
+            log.exception("%s: cannot be read as a Ballast spec; left out of the pipelines list", path)
+            continue
         out.setdefault(spec.dag_id, Pipeline(spec.dag_id, spec.name, str(path), spec.storage.uri,
                                              spec.storage.conn_id))
     return out
