@@ -4,6 +4,7 @@ used datasets that no running try holds."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -37,9 +38,14 @@ def test_two_runs_warming_the_same_dataset_at_once_both_succeed(tmp_path, digits
     conv = run_chain(first, validate, convert)["convert"]
     second = make_ctx(tmp_path, digits_raw, run_id="backfill__2026-01-01T00:00:00+00:00")
     second.save_result("convert", conv)
+    opened: list[str] = []
+
+    def slow(key, start=0, *, _open):
+        opened.append(key)
+        return _Slow(_open(key, start))
+
     for ctx in (first, second):
-        opener = ctx.storage.open_read
-        ctx.storage.open_read = lambda key, start=0, _open=opener: _Slow(_open(key, start))
+        ctx.storage.open_read = functools.partial(slow, _open=ctx.storage.open_read)
     start, results, errors = threading.Barrier(2), {}, []
 
     def warm(ctx):
@@ -57,16 +63,17 @@ def test_two_runs_warming_the_same_dataset_at_once_both_succeed(tmp_path, digits
     assert not errors and len(results) == 2
     a, b = results.values()
     assert a.cache_dir == b.cache_dir
-    fetched = sum(p.downloaded for r in (a, b) for p in r.phases)
-    manifest_files = sum(p.files for p in a.phases)
-    assert fetched >= manifest_files  # every file came in once (the other run found it verified or waited for it)
+    # Every file came in once: the other run waited for it, then found it verified.
+    assert len(opened) == len(set(opened)) == sum(p.files for p in a.phases)
     assert not [p for p in Path(a.cache_dir).rglob("*.part")]
 
 
-def _old_dataset(root: Path, name: str, size: int, age: float) -> Path:
+def _old_dataset(root: Path, name: str, size: int, age: float, *, ballasts: bool = True) -> Path:
     d = root / "other_pipeline" / name
     d.mkdir(parents=True)
     (d / "data.bin").write_bytes(b"x" * size)
+    if ballasts:
+        (d / cachedir.IN_USE).touch()  # what a warm-up leaves: a dataset of Ballast's
     os.utime(d, (time.time() - age, time.time() - age))
     return d
 
@@ -80,12 +87,19 @@ def test_max_bytes_covers_the_whole_cache_evicting_the_least_recently_used_datas
     oldest = _old_dataset(root, "oldest", 400_000, age=3000)
     held = _old_dataset(root, "held", 400_000, age=2000)  # older than `newer`, but a running try reads it
     newer = _old_dataset(root, "newer", 400_000, age=1000)
+    foreign = _old_dataset(root, "users_own", 5_000_000, age=9000, ballasts=False)  # not Ballast's: never touched
+    node_cache = root / "node-gpu7" / "digits" / "abc"  # a cluster node's own cache root, beside the worker's
+    node_cache.mkdir(parents=True)
+    (node_cache / cachedir.IN_USE).touch()
+    (node_cache / "shard.bin").write_bytes(b"x" * 400_000)
+    os.utime(node_cache, (time.time() - 9000, time.time() - 9000))
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(max_bytes=need + 900_000))
     ctx.save_result("convert", conv)
     with cachedir.in_use(held):
         warm_cache.warm(ctx, [0, 1])
     assert not oldest.exists() and held.exists() and newer.exists()  # one eviction was enough
-    assert cachedir.usage(root) <= need + 900_000
+    assert foreign.exists() and not (foreign / cachedir.IN_USE).exists() and node_cache.exists()
+    assert sum(cachedir.usage(d) for d in cachedir.datasets(root)) <= need + 900_000
     # A budget that the datasets in use and this one cannot fit in: refused, the dataset in use kept.
     other_root = tmp_path / "cache2"
     busy = _old_dataset(other_root, "busy", 400_000, age=5000)

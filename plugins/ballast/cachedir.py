@@ -4,8 +4,9 @@ Two runs of one pipeline (a backfill beside a scheduled run) warm the same datas
 cached file has one writer at a time: `writing(dst)` holds an exclusive lock on `.<name>.lock` beside
 it while the file is streamed in (the other writer waits, then finds it verified). A dataset directory
 is in use while a try warms or reads it: the process holds a shared lock on its `.in-use` file
-(`in_use`). `cache.max_bytes` covers the whole cache directory: `make_room` evicts the least recently
-used datasets whose exclusive lock it can take without waiting, never one a running try holds.
+(`in_use`), which also marks the directory as a Ballast dataset. `cache.max_bytes` covers every
+dataset in the cache directory: `make_room` evicts the least recently used datasets whose exclusive
+lock it can take without waiting, never one a running try holds, and nothing that is not a dataset.
 
 Locks are `flock`s: they end with the process that holds them (a killed try never pins a dataset).
 """
@@ -65,6 +66,7 @@ def in_use(dataset_dir: Path) -> Iterator[None]:
 def hold(dataset_dir: Path) -> int:
     """`in_use` for the rest of this process (a cluster node's launcher): the lock ends with it."""
     path = Path(dataset_dir) / IN_USE
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)
     os.utime(dataset_dir)
@@ -79,7 +81,7 @@ def writing(dst: Path) -> Iterator[None]:
 
 
 def usage(root: Path) -> int:
-    """Bytes of cached data under `root` (locks and partial downloads not counted)."""
+    """Bytes of files under `root` (locks and partial downloads not counted)."""
     total = 0
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
@@ -93,34 +95,42 @@ def usage(root: Path) -> int:
 
 
 def datasets(root: Path) -> list[Path]:
-    """The dataset directories under `root`, least recently used first."""
-    found = [d for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(_TRASH)
-             for d in p.iterdir() if d.is_dir()] if Path(root).is_dir() else []
+    """Ballast's dataset directories under `root` (`<pipeline>/<dataset_id>/` that a warm-up marked with
+    its `.in-use` file), least recently used first. Anything else there is not Ballast's (a user's
+    folder, a cluster node's own cache root `node-<host>/`, which has its own budget) and is never
+    counted or evicted."""
+    root = Path(root)
+    found = [d for p in root.iterdir() if p.is_dir() and not p.name.startswith(_TRASH)
+             for d in p.iterdir() if (d / IN_USE).is_file()] if root.is_dir() else []
     return sorted(found, key=lambda d: d.stat().st_mtime)
 
 
 def make_room(root: Path, *, keep: Path, need: int, budget: int, log: logging.Logger) -> tuple[int, list[Path]]:
     """Evict least recently used datasets under `root` (never `keep`, never one in use) until `need` more
-    bytes fit in `budget`. Returns the bytes used afterwards and the datasets still in use."""
-    used, busy = usage(root), []
-    for d in datasets(root):
+    bytes fit in `budget`. Returns the bytes Ballast's datasets use afterwards and those still in use."""
+    found = datasets(root)
+    sizes = {d: usage(d) for d in found}
+    used, busy = sum(sizes.values()), []
+    for d in found:
         if used + need <= budget:
             break
         if d.resolve() == Path(keep).resolve():
             continue
-        fd = os.open(d / IN_USE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(d / IN_USE, os.O_RDWR)  # never created here: only a warm-up marks a dataset
+        except FileNotFoundError:
+            continue
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 busy.append(d)
                 continue
-            size = usage(d)
             trash = Path(root) / f"{_TRASH}{uuid.uuid4().hex}"
             os.rename(d, trash)  # at once: a warm-up starting now makes a fresh directory
         finally:
             os.close(fd)
         shutil.rmtree(trash, ignore_errors=True)
-        used -= size
-        log.info("cache.max_bytes: evicted %s (%d bytes, least recently used)", d, size)
+        used -= sizes[d]
+        log.info("cache.max_bytes: evicted %s (%d bytes, least recently used)", d, sizes[d])
     return used, busy

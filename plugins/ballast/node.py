@@ -106,7 +106,7 @@ def run(job: NodeJob, rank: int) -> int:
     from ballast.context import RunContext
     from ballast.launch_spec import torchrun_argv
     from ballast.spec import Spec
-    from ballast.stages.warm_cache import warm
+    from ballast.stages.warm_cache import dataset_dir, warm
     from ballast.storage import ballast_home
     from training.config.run import RunConfig
 
@@ -122,8 +122,8 @@ def run(job: NodeJob, rank: int) -> int:
     ctx = RunContext(spec=spec, dag_id=job.dag_id, run_id=job.run_id, try_number=job.try_number, log=log,
                      task_id=job.task_id, spec_file=job.spec_file)
     log.info("node %d of %d on %s: try %d of %s", rank, spec.training.nodes, host, job.try_number, job.dag_id)
+    cachedir.hold(dataset_dir(ctx))  # from its warm-up to the end of training: no other run's warm-up evicts it
     cache = warm(ctx, list(range(len(spec.cache.stages))), record_progress=False)
-    cachedir.hold(Path(cache.cache_dir))  # not evicted by another run's warm-up while this node trains
     shared = ctx.storage.local_path(ctx.run_key) is not None
     if shared:
         out_dir, ckpt_dir = Path(job.out_dir), Path(job.checkpoint_dir)

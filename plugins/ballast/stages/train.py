@@ -48,14 +48,18 @@ def run(ctx: RunContext) -> TrainResult:
         ctx.log.info("local backend: capacity %s, hosts to avoid %s recorded (it trains on this machine)",
                      settings.capacity, list(settings.avoid_hosts) or "none")
     _archive_failure_record(out_dir)
-    _gate_checkpoints(ctx, cache, ckpt_dir)
+    with cachedir.in_use(Path(cache.cache_dir)):  # no other run's warm-up evicts what this try gates on and reads
+        return _try(ctx, cache, hist, settings, notes, out_dir, ckpt_dir)
 
+
+def _try(ctx: RunContext, cache, hist, settings, notes, out_dir: Path, ckpt_dir: Path) -> TrainResult:
+    """The checkpoint gate, then training, recorded in the attempt history whatever happens."""
+    _gate_checkpoints(ctx, cache, ckpt_dir)
     attempt = history.begin(ctx.try_number, settings=settings.as_dict(), adaptation=notes)
     hist = history.put(hist, attempt)
     history.save(ctx, hist)
     try:
-        with cachedir.in_use(Path(cache.cache_dir)):  # no other run's warm-up evicts what this try reads
-            result = _train(ctx, cache, out_dir, ckpt_dir, settings)
+        result = _train(ctx, cache, out_dir, ckpt_dir, settings)
     except BaseException as exc:
         # The task is being stopped (SIGTERM -> on_kill, an interrupt) or training was cancelled under it.
         cancelled = isinstance(exc, Cancelled) or not isinstance(exc, Exception) or was_cancelled(out_dir)

@@ -124,13 +124,18 @@ def _fetch(storage: Storage, key: str, dst: Path, entry: dict) -> int:
     return got
 
 
+def dataset_dir(ctx: RunContext) -> Path:
+    """Where the run's converted dataset is cached on this node: `<cache root>/<pipeline>/<dataset id>`."""
+    return ctx.cache_root / ctx.spec.name / ctx.result("convert").dataset_id
+
+
 def warm(ctx: RunContext, phase_indices: list[int], *, record_progress: bool = True) -> WarmCacheResult:
     """Warm the phases `phase_indices` (0-based indices into `cache.stages`) into the node-local cache.
     `record_progress`: write the stability view's progress record (the train task's own warm-up; not a
     cluster node's, whose peers warm at the same time)."""
     conv = ctx.result("convert")
     manifest = json.loads(ctx.storage.read_bytes(f"{conv.prefix}/manifest.json"))
-    cache_dir = ctx.cache_root / ctx.spec.name / conv.dataset_id
+    cache_dir = dataset_dir(ctx)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with cachedir.in_use(cache_dir):
         return _warm(ctx, phase_indices, manifest, cache_dir, record_progress=record_progress)
