@@ -59,8 +59,15 @@ def test_weights_are_checked_against_the_card_cached_or_not(tmp_path):
     assert [p.name for p in dest.iterdir()] == []
 
 
-def test_a_card_without_the_weights_checksum_is_refused(tmp_path):
+def test_a_card_without_the_weights_checksum_is_no_baseline_and_no_warm_start(tmp_path, caplog):
+    """Published before cards carried the checksum: its weights cannot be checked, so they are never loaded;
+    the pipeline goes on as if it had published nothing (the next model it publishes carries one)."""
     ctx = ctx_at(tmp_path)
     publish(ctx, weights_sha256=None)
+    ctx.log.addHandler(caplog.handler)
+    assert registry.latest(ctx) is None
+    assert "model_card.json: no weights_sha256" in caplog.text
+    forged = registry.Published(version="20261205T000000Z-r1", prefix=f"models/{ctx.spec.name}/20261205T000000Z-r1",
+                                card={"model_section": {}})
     with pytest.raises(BallastError, match=r"model_card.json.*weights_sha256"):
-        registry.weights(ctx, registry.latest(ctx), tmp_path / "work")
+        registry.weights(ctx, forged, tmp_path / "work")

@@ -58,6 +58,12 @@ def latest(ctx: RunContext) -> Published | None:
         card = json.loads(storage.read_bytes(f"{prefix}/model_card.json"))
     except ValueError as exc:
         raise BallastError(f"{storage.describe(prefix + '/model_card.json')}: unreadable model card ({exc})") from exc
+    if not isinstance(card, dict) or not _SHA256.fullmatch(str(card.get("weights_sha256"))):
+        # Published by an earlier Ballast (or edited): its weights cannot be checked, so they are not loaded.
+        ctx.log.warning("%s: no weights_sha256 (published by an earlier Ballast?): its weights cannot be checked,"
+                        " so it is neither an if_better baseline nor a warm start; the next model published"
+                        " carries one", storage.describe(prefix + "/model_card.json"))
+        return None
     return Published(version=version, prefix=prefix, card=card)
 
 
