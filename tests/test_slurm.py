@@ -393,6 +393,55 @@ class FakeSlurm:
         raise AssertionError(f"unexpected Slurm command {argv}")
 
 
+@pytest.mark.unit
+def test_a_few_failed_polls_of_slurm_do_not_end_a_healthy_job_but_many_do(tmp_path, monkeypatch):
+    import logging
+
+    from ballast.backends import slurm
+    from ballast.errors import LaunchError
+    from ballast.spec import parse_spec
+
+    class Flaky(FakeSlurm):
+        def __init__(self, failures: int):
+            super().__init__()
+            self.failures = failures
+
+        def __call__(self, argv, env=None):
+            if argv[0] == "sacct":  # the accounting fallback: no answer either
+                return subprocess.CompletedProcess(argv, 1, "", "sacct: error: Slurm accounting storage is disabled")
+            if argv[:2] == ["scontrol", "show"] and self.failures:
+                self.failures -= 1
+                return subprocess.CompletedProcess(argv, 1, "", "slurm_load_jobs error: Socket timed out")
+            if argv[:2] == ["scontrol", "show"]:
+                self.state = "COMPLETED"
+            return super().__call__(argv, env)
+
+    d = example_data()
+    on_slurm(d)
+    d["execution"]["slurm"]["poll_seconds"] = 0.01
+    backend = slurm.SlurmBackend(parse_spec(d), tmp_path, logging.getLogger("test"))
+    handle = {"job_id": "4242", "log": str(tmp_path / "job.log")}
+    (tmp_path / "job.log").write_text("")
+    monkeypatch.setattr(slurm, "_run", Flaky(backend.state_misses - 1))
+    ending = backend.wait(handle, on_line=lambda line: None, should_stop=lambda: False)
+    assert not ending.cancelled and "scancel" not in [c[0] for c in slurm._run.calls]
+    monkeypatch.setattr(slurm, "_run", Flaky(backend.state_misses))
+    with pytest.raises(LaunchError, match="Socket timed out"):
+        backend.wait(handle, on_line=lambda line: None, should_stop=lambda: False)
+
+
+@pytest.mark.unit
+def test_the_preview_of_a_slurm_try_shows_its_export_list_and_script():
+    from ballast.backends import preview
+    from ballast.spec import parse_spec
+
+    d = example_data()
+    on_slurm(d)
+    text = preview.render(parse_spec(d), try_number=2, after=["preempted"])
+    assert "# sbatch --parsable" in text and "--export=" in text and "--export=ALL" not in text
+    assert "srun" in text and "--partition=" in text
+
+
 def _export_list(word: str) -> set[str]:
     assert word.startswith("--export=") and "ALL" not in word.split("=", 1)[1].split(","), word
     return set(word.split("=", 1)[1].split(","))
@@ -410,7 +459,8 @@ def test_sbatch_and_srun_export_only_what_the_node_needs_and_the_script_is_priva
     from ballast.spec import parse_spec
 
     for name, value in {**CANARIES, "BALLAST_HOME": "/srv/ballast", "PATH": "/usr/bin:/bin",
-                        "SLURM_CONF": "/etc/slurm/slurm.conf"}.items():
+                        "SLURM_CONF": "/etc/slurm/slurm.conf", "SBATCH_ACCOUNT": "ml", "HTTPS_PROXY": "http://px:3128",
+                        "AWS_SESSION_TOKEN": "worker-token"}.items():
         monkeypatch.setenv(name, value)
     d = example_data()
     on_slurm(d)
@@ -445,15 +495,18 @@ def test_sbatch_and_srun_export_only_what_the_node_needs_and_the_script_is_priva
     everything = " ".join(argv) + text + repr(env)
     assert not [v for v in CANARIES.values() if v in everything.replace("canary-aws", "")] and \
         not any(n.startswith("AIRFLOW") for n in env), env
-    assert exported == set(env) - {"SLURM_CONF"} and env["SLURM_CONF"] == "/etc/slurm/slurm.conf"
-    assert env["BALLAST_HOME"] == "/srv/ballast" and env["PATH"] == "/usr/bin:/bin"
+    # sbatch's own input reaches sbatch, not the job:
+    assert exported == set(env) - {"SLURM_CONF", "SBATCH_ACCOUNT"} and env["SLURM_CONF"] == "/etc/slurm/slurm.conf"
+    assert env["BALLAST_HOME"] == "/srv/ballast" and env["PATH"] == "/usr/bin:/bin" and env["SBATCH_ACCOUNT"] == "ml"
     if storage == "local":
-        assert not any(n.startswith("AWS_") for n in env)  # no S3: no key of it goes to the nodes
+        assert not any(n.startswith("AWS_") for n in env) and "HTTPS_PROXY" not in env  # no S3: nothing of it
     elif storage == "s3":
         assert env["AWS_SECRET_ACCESS_KEY"] == "canary-aws"  # the worker's S3 credentials, the nodes need them
+        assert env["AWS_SESSION_TOKEN"] == "worker-token" and env["HTTPS_PROXY"] == "http://px:3128"
     else:
         assert env["AWS_ACCESS_KEY_ID"] == "conn-key" and env["AWS_SECRET_ACCESS_KEY"] == "conn-secret" \
             and env["AWS_ENDPOINT_URL_S3"] == "http://s3:9000"  # the connection's, not the worker's
+        assert "AWS_SESSION_TOKEN" not in env and env["HTTPS_PROXY"] == "http://px:3128"  # no mixed key pair
     srun = next(line for line in text.splitlines() if "srun" in line)
     srun_exports = _export_list(next(w for w in srun.split() if w.startswith("--export")))
     assert exported | {"NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "BALLAST_RDZV_ENDPOINT"} == srun_exports

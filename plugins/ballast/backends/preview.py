@@ -8,6 +8,7 @@ try follows earlier tries that failed so (`preempted`, `hang@HOST`, `oom`): what
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
@@ -64,5 +65,7 @@ def render(spec: Spec, *, try_number: int = 1, after: list[str] = (), run_id: st
     from ballast.backends import slurm_script
 
     script = Path("<job dir>") / "job.sh"
-    argv = slurm_script.sbatch_argv(spec, launch, script, log=Path("<job dir>") / "slurm.log")
-    return "\n".join(head + ["# submitted as:", "# " + shlex.join(argv), slurm_script.batch_script(spec, launch)])
+    export = slurm_script.job_environment(spec, os.environ)  # names only below: no value of the worker's is shown
+    argv = slurm_script.sbatch_argv(spec, launch, script, log=Path("<job dir>") / "slurm.log", export=export)
+    return "\n".join(head + ["# submitted as:", "# " + shlex.join(argv),
+                             slurm_script.batch_script(spec, launch, export=export)])

@@ -28,6 +28,8 @@ class SlurmBackend:
     stop_wait_seconds = 60.0
     """How long `stop` waits for a scancelled job to leave Slurm's running states (KillWait and the
     epilog included); past it the job may still run, and its lease stays."""
+    state_misses = 5
+    """Polls in a row whose `scontrol` fails before a running try gives up on the job (class communication)."""
 
     def __init__(self, spec: Spec, job_dir: Path, log: Any):
         self.spec, self.job_dir, self.log = spec, Path(job_dir), log
@@ -41,7 +43,9 @@ class SlurmBackend:
         log = self.job_dir / f"{launch.name}.log"
         argv = slurm_script.sbatch_argv(self.spec, launch, script, log=log, export=env)
         self.log.info("submitting: %s", " ".join(argv))  # names only: the values are in sbatch's environment
-        out = _run(argv, env={**{k: v for k, v in os.environ.items() if k.startswith("SLURM_")}, **env})
+        # sbatch's own input (SLURM_CONF, SBATCH_ACCOUNT, ...) reaches sbatch, never the job: --export names it not.
+        own = {k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "SBATCH_"))}
+        out = _run(argv, env={**own, **env})
         if out.returncode != 0:
             raise self._submit_error(out.stderr.strip() or out.stdout.strip(), launch)
         job_id = out.stdout.strip().split(";")[0]
@@ -97,14 +101,23 @@ class SlurmBackend:
                           failure_class="communication")
 
     def wait(self, handle: dict[str, Any], *, on_line: Callable[[str], Any], should_stop: Callable[[], bool]) -> Ending:
-        relay = _Tail(Path(handle["log"]))
+        relay, misses = _Tail(Path(handle["log"])), 0
         while True:
             for line in relay.lines():
                 on_line(line)
             if should_stop():
                 ended = self.stop(handle, reason="cancelled")
                 return Ending(None, reason="CANCELLED (by Ballast)", cancelled=True, left_running=not ended)
-            fields = self.state(handle)
+            try:
+                fields = self.state(handle)
+                misses = 0
+            except LaunchError as exc:  # one slow answer of the controller is no reason to end a healthy job
+                misses += 1
+                if misses >= self.state_misses:
+                    raise
+                self.log.warning("%s (%d of %d tries)", exc, misses, self.state_misses)
+                time.sleep(self.slurm.poll_seconds)
+                continue
             if fields is None:
                 return Ending(None, reason=f"Slurm has no record of job {handle['job_id']} any more")
             end = slurm_status.ending(fields)

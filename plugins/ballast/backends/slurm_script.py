@@ -38,6 +38,12 @@ AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "A
            "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE", "AWS_PROFILE", "AWS_CONFIG_FILE",
            "AWS_SHARED_CREDENTIALS_FILE")
 """boto3's environment: the nodes' way to S3 storage, sent only when storage is on S3."""
+AWS_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+"""The worker's own identity, left out when the storage connection gives the node one (no mixed pairs)."""
+NETWORK = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy", "SSL_CERT_FILE",
+           "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
+"""The way out to S3 behind a proxy or a private CA, sent with the S3 variables. Anything else a
+cluster's nodes need (PYTHONPATH, LD_LIBRARY_PATH, a virtualenv) is the spec's `execution.env`."""
 
 
 def _slurm(spec: Spec) -> SlurmSpec:
@@ -63,7 +69,9 @@ def job_environment(spec: Spec, worker_env: Mapping[str, str], *,
     env.setdefault("PATH", os.defpath)
     env.update({name: value for name, value in worker_env.items() if name.startswith("BALLAST_")})
     if spec.storage.uri.startswith("s3://"):
-        env.update({name: worker_env[name] for name in AWS_ENV if worker_env.get(name)})
+        skip = AWS_CREDENTIALS if storage_credentials else ()
+        env.update({name: worker_env[name] for name in (*AWS_ENV, *NETWORK) if worker_env.get(name)
+                    and name not in skip})
         env.update(storage_credentials or {})
     return env
 
