@@ -259,6 +259,14 @@ BOUNDS = [
      r" at most 2147483648"),
     ("shape_of_many_dimensions", lambda d: d["dataset"]["fields"][0].update(shape=[1] * 9),
      r"dataset\.fields\[0\]\.shape: .*at most 8"),
+    ("checkpoint_every_steps_past_int64", lambda d: d["training"].update(checkpoint={"every_steps": 2**63}),
+     r"training\.checkpoint\.every_steps: must be <= 1099511627776"),
+    ("epochs_past_int64", lambda d: d["training"].update(epochs=2**64), r"training\.epochs: must be <= 100000"),
+    ("fault_rank_past_any_cluster", lambda d: d["training"].update(rehearsal={"faults": [{"kind": "oom", "step": 3,
+                                                                                          "rank": 2**40}]}),
+     r"training\.rehearsal\.faults\[0\]\.rank: must be <= 1048576"),
+    ("cache_max_bytes_overridable", lambda d: d["overridable"].append("cache.max_bytes"),
+     r"overridable: 'cache\.max_bytes' is the spec author's alone"),
 ]
 
 

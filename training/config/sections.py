@@ -19,12 +19,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from training.config import docstrings
 from training.models import MODEL_NAMES, OPTIMIZER_NAMES
 
-PositiveInt = Annotated[int, Field(ge=1)]
+PositiveInt = Annotated[int, Field(ge=1, le=2**40)]
 NumClasses = Annotated[int, Field(ge=2, le=100_000)]
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 """A seed every consumer takes: numpy's SeedSequence refuses negatives, its legacy seeding 2^32 and up."""
 MAX_SECONDS = 31_536_000.0
 """A year: the longest duration any setting needs (timers and timedeltas overflow far above it)."""
+MAX_STEPS = 2**40
+"""The most steps any step count may name (a trillion steps is far past any run; int64 everywhere)."""
 MAX_SHAPE_ELEMENTS = 2**31
 """Elements in one value of a field: what a 32-bit index reaches (int64 products overflow far sooner)."""
 MAX_SHAPE_DIMENSIONS = 8
@@ -195,7 +197,7 @@ class LoaderSettings(Section):
 
 
 class CheckpointSettings(Section):
-    every_steps: int | None = Field(None, ge=1)
+    every_steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     """Save every N optimizer steps (in addition to every_seconds and the end of each epoch)."""
     every_seconds: float = Field(3600.0, gt=0, le=MAX_SECONDS)
     """Save at least this often (seed documents: hourly)."""
@@ -224,9 +226,9 @@ class MonitorSettings(Section):
     spike_action: Literal["alert", "rollback"] = "alert"
     """alert: an event and an immediate checkpoint (see anomaly_checkpoint_min_steps); rollback: back to the
     last checkpoint, batch skipped."""
-    stats_every_steps: int = Field(50, ge=1)
+    stats_every_steps: int = Field(50, ge=1, le=MAX_STEPS)
     """Gradient norm and histogram statistics every N steps."""
-    anomaly_checkpoint_min_steps: int = Field(100, ge=0)
+    anomaly_checkpoint_min_steps: int = Field(100, ge=0, le=MAX_STEPS)
     """An anomaly (a loss spike under alert) checkpoints the last good state, at most once per this
     many steps so that a storm of alerts does not become a storm of saves; 0: after every anomaly."""
     max_rollbacks: int = Field(3, ge=0, le=100)
@@ -279,13 +281,13 @@ class FaultSettings(Section):
     (a preemption notice), error (a bug), comm (a communication error), corrupt (the newest committed
     checkpoint's weights damaged on disk, then a crash: silent corruption the next try must catch), ecc
     (a GPU's uncorrectable ECC error, as CUDA reports it: a hardware failure)."""
-    step: int | None = Field(None, ge=1)
+    step: int | None = Field(None, ge=1, le=MAX_STEPS)
     """Optimizer step (1-based) before whose forward pass the fault fires; once per run."""
     seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """Or: fire before the first step once the training process has run this long (once per run)."""
-    rank: int | None = Field(None, ge=0)
+    rank: int | None = Field(None, ge=0, le=1_048_576)
     """Only on this rank; every rank if unset."""
-    on_try: int | None = Field(None, ge=1)
+    on_try: int | None = Field(None, ge=1, le=10_000)
     """Only in this try of the train task (the orchestrator passes a try the faults meant for it);
     any try if unset."""
 
@@ -300,7 +302,7 @@ class RehearsalSettings(Section):
     faults: tuple[FaultSettings, ...] = ()
     """Faults to inject, for rehearsing recovery (game days) and for tests. The environment variable
     BALLAST_FAULTS (a JSON list of the same objects) adds to them, in a try that injects these."""
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     """End training (with a checkpoint) after this many optimizer steps."""
     max_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """End training (with a checkpoint) once this much wall time has passed in the process."""

@@ -136,7 +136,8 @@ class KubernetesSpec(Section):
     """Keep a failed try's pods and Job for inspection (deleted otherwise, like a finished one's)."""
     time_limit_minutes: int = Field(1440, ge=1, le=525_600)
     """A try's time limit (its Job's and pods' activeDeadlineSeconds): the cluster ends the try then, even
-    when no train task is left to; the preemption notice comes recovery.preempt_grace_seconds before."""
+    when no train task is left to (SIGTERM, then the pods' grace period: the trainer commits a checkpoint
+    and the next try resumes, as after a preemption)."""
 
     @field_validator("namespace", "service_account", "priority_class")
     @classmethod

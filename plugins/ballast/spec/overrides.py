@@ -23,6 +23,7 @@ AUTHOR_ONLY: dict[str, str] = {
     "storage.conn_id": "the connection, and so the credentials, storage is reached with",
     "dataset.location": "where the raw data is read",
     "cache.directory": "a directory on the worker and the nodes",
+    "cache.max_bytes": "the node-wide cache budget: other pipelines' datasets are evicted to keep it",
     "conversion.spark_master": "where the conversion runs",
     "execution.backend": "where training runs",
     "execution.env": "the training processes' environment",

@@ -75,12 +75,12 @@ class _Cache:
             return flight.result()
         try:
             value = make()
+            expires = None if final(value) else time.monotonic() + ttl
         except BaseException as exc:
             with self._lock:
                 del self._flights[key]
             flight.set_exception(exc)  # the waiters' answer too; the next request tries again
             raise
-        expires = None if final(value) else time.monotonic() + ttl
         with self._lock:
             self._items[key] = (expires, value)
             self._items.move_to_end(key)
