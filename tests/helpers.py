@@ -122,7 +122,7 @@ def config(tmp: Path, cache: WarmCacheResult, *, epochs: int = 2, edit: Edit | N
 
 def run_single(cfg: Path, **kw) -> subprocess.CompletedProcess:
     """One training process (no torchrun) on the run config `cfg`."""
-    return subprocess.run([sys.executable, "-m", "training", "--config", str(cfg)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ballast.training", "--config", str(cfg)], capture_output=True, text=True,
                           timeout=180, **kw)
 
 
@@ -140,7 +140,7 @@ def free_port() -> int:
 
 def torchrun(cfg: Path, *extra: str) -> list[str]:
     """The torchrun argv for the training module on `cfg`, with launcher arguments `extra`."""
-    return [sys.executable, "-m", "torch.distributed.run", *extra, "--module", "training", "--config", str(cfg)]
+    return [sys.executable, "-m", "torch.distributed.run", *extra, "--module", "ballast.training", "--config", str(cfg)]
 
 
 # --- a spec's DAG through Airflow (dag.test) ---------------------------------------------------------

@@ -16,7 +16,7 @@ from ballast import checkpoint_sync
 from ballast.context import RunContext
 from ballast.spec import parse_spec
 from helpers import example_data
-from training import checkpoint as ckpt
+from ballast.training import checkpoint as ckpt
 
 BACKENDS = [pytest.param("local", marks=pytest.mark.unit), pytest.param("s3", marks=pytest.mark.integration)]
 
@@ -140,7 +140,7 @@ def test_a_replace_interrupted_after_removing_the_marker_is_not_valid(tmp_path, 
 
     import torch
 
-    from training.checkpoint import commit
+    from ballast.training.checkpoint import commit
 
     saver = ckpt.AsyncSaver(tmp_path, rank=0, barrier=lambda: None, keep_last=5)
     save(saver, 10)

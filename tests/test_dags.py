@@ -137,8 +137,10 @@ def test_parsing_imports_no_heavy_module():
 
 @pytest.mark.integration
 def test_training_package_never_imports_airflow():
-    probe = ("import sys, training.trainer, training.checkpoint, training.dataset.loader, training.__main__\n"
-             "print([m for m in sys.modules if m.split('.')[0] in ('airflow', 'ballast')])")
+    probe = ("import sys, ballast.training.trainer, ballast.training.checkpoint, ballast.training.dataset.loader,"
+             " ballast.training.__main__\n"
+             "print([m for m in sys.modules if m.split('.')[0] == 'airflow'"
+             " or m.startswith('ballast.') and not m.startswith('ballast.training')])")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -5,8 +5,8 @@ died of, from its record, its exit status, its log and what the backend reports.
 from __future__ import annotations
 
 import pytest
-import training.failure as tf
-from training.failure_patterns import CANCELLED, PATTERNS, classify_exit, classify_text
+import ballast.training.failure as tf
+from ballast.training.failure_patterns import CANCELLED, PATTERNS, classify_exit, classify_text
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import training.failure as tf
+import ballast.training.failure as tf
 from ballast import errors
 from ballast.context import RunContext
 from ballast.records import CheckedCheckpoint, TrainResult, VerifyResult, WarmCacheResult
@@ -54,8 +54,8 @@ def run_ctx(cached, run_id: str) -> RunContext:
 def write_checkpoint(root: Path, spec, step: int, *, hidden: int | None = None) -> Path:
     """A committed checkpoint of the spec's model (another width with `hidden`), with the trainer state
     a real one records."""
-    from training import checkpoint as ckpt
-    from training.models import build_model
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.models import build_model
 
     t, feature = spec.training, spec.dataset.features[0]
     width = hidden or t.hidden_size
@@ -123,7 +123,7 @@ def test_a_checkpoint_without_its_model_section_fails_verification_without_retry
     state = json.loads((best / "trainer.json").read_text())
     for key in ("model", "input_shape", "num_classes", "hidden_size"):
         del state[key]
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     w = ckpt.Writer(best.parent, 10, rank=0, barrier=lambda: None)
     w.begin()

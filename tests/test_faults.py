@@ -16,9 +16,9 @@ import pytest
 
 from ballast.spec import parse_spec
 from helpers import config, example_data, free_port, metric_value, record, run_single, torchrun
-from training import checkpoint as ckpt
-from training.failure import EXIT_CODES, host_name
-from training.monitor import SpikeDetector, grad_stats
+from ballast.training import checkpoint as ckpt
+from ballast.training.failure import EXIT_CODES, host_name
+from ballast.training.monitor import SpikeDetector, grad_stats
 
 
 @pytest.mark.integration
@@ -61,7 +61,7 @@ def test_hang_is_ended_by_the_watchdog_with_stacks(tmp_path, digits_cache):
 @pytest.mark.integration
 def test_sigterm_commits_a_checkpoint_and_exits_preempted(tmp_path, digits_cache):
     cfg = config(tmp_path, digits_cache, epochs=200)
-    proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(cfg)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "ballast.training", "--config", str(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     beat = tmp_path / "out" / "heartbeat"
     deadline = time.monotonic() + 60
@@ -81,7 +81,7 @@ def test_sigterm_commits_a_checkpoint_and_exits_preempted(tmp_path, digits_cache
 def test_kill_during_save_leaves_previous_checkpoint_as_latest(tmp_path):
     script = f"""
 import os, signal, torch
-from training import checkpoint as ckpt
+from ballast.training import checkpoint as ckpt
 root = {str(tmp_path)!r}
 for step in (10, 20):
     w = ckpt.Writer(root, step, rank=0, barrier=lambda: None)
@@ -135,8 +135,8 @@ def test_a_group_that_cannot_read_its_config_is_not_restarted(tmp_path, digits_c
     data = json.loads(cfg.read_text())
     data["checkpoint"]["dir"] = "x"  # an unknown key: the trainer refuses the whole config
     cfg.write_text(json.dumps(data))
-    launch = [sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
-              "--module", "training", "--config", str(cfg)]
+    launch = [sys.executable, "-m", "ballast.training.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
+              "--module", "ballast.training", "--config", str(cfg)]
     run = subprocess.run(launch, capture_output=True, text=True, timeout=240)
     assert run.returncode == 1, run.stderr[-3000:]
     assert re.search(r"rank \d exited 64 \(class config\) without a failure record; not restarting the group", run.stderr)
@@ -176,8 +176,8 @@ def test_a_group_restart_is_only_for_a_rank_killed_outright_not_for_an_oom(tmp_p
 
     cfg = config(tmp_path, digits_cache, epochs=2, edit=two_proc,
                  changes={"rehearsal.faults": [{"kind": "oom", "step": 9, "rank": 1}]})
-    launch = [sys.executable, "-m", "training.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
-              "--module", "training", "--config", str(cfg)]  # what the train stage runs
+    launch = [sys.executable, "-m", "ballast.training.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
+              "--module", "ballast.training", "--config", str(cfg)]  # what the train stage runs
     run = subprocess.run(launch, capture_output=True, text=True, timeout=240)
     assert run.returncode == 1, run.stderr[-3000:]
     assert "failed with class oom; not restarting the group" in run.stderr
@@ -354,7 +354,7 @@ def test_prometheus_endpoint_serves_training_metrics(tmp_path, digits_cache):
     cfg = config(tmp_path, digits_cache, changes={"rehearsal.faults": [{"kind": "hang", "step": 20}],
                                                   "execution.hang_timeout_seconds": 10,
                                                   "execution.metrics_port": port})
-    proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(cfg)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "ballast.training", "--config", str(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -401,12 +401,12 @@ def test_average_export_cli(tmp_path):
         w.write_tensors("model.pt", {"w": torch.full((2,), value)})
         w.commit()
     out = tmp_path / "avg.pt"
-    proc = subprocess.run([sys.executable, "-m", "training.average", str(tmp_path / "ckpt"), "--last", "2",
+    proc = subprocess.run([sys.executable, "-m", "ballast.training.average", str(tmp_path / "ckpt"), "--last", "2",
                            "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert torch.equal(ckpt.load_tensors(out)["w"], torch.full((2,), 3.0))
     (tmp_path / "ckpt" / "step-00000020" / "model.pt").write_bytes(b"tampered")
-    bad = subprocess.run([sys.executable, "-m", "training.average", str(tmp_path / "ckpt"), "--out", str(out)],
+    bad = subprocess.run([sys.executable, "-m", "ballast.training.average", str(tmp_path / "ckpt"), "--out", str(out)],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "size 8 does not match the manifest" in bad.stderr
 
@@ -443,7 +443,7 @@ def test_a_monitor_setting_reaches_the_anomaly_policy_from_the_spec():
     # bounds, the run config and the policy that uses it.
     from ballast.errors import SpecError
     from ballast.launch_spec import run_config
-    from training.anomaly import AnomalyPolicy
+    from ballast.training.anomaly import AnomalyPolicy
 
     d = example_data()
     d["training"]["monitors"] = {"spike_action": "rollback", "max_rollbacks": 1}
@@ -459,8 +459,8 @@ def test_a_monitor_setting_reaches_the_anomaly_policy_from_the_spec():
 
 @pytest.mark.unit
 def test_faults_from_the_environment_fire_only_where_the_run_config_allows_a_rehearsal(monkeypatch, capsys):
-    from training.config.run import RehearsalConfig
-    from training.faults import load_faults
+    from ballast.training.config.run import RehearsalConfig
+    from ballast.training.faults import load_faults
 
     monkeypatch.setenv("BALLAST_FAULTS", '[{"kind": "crash", "step": 3}]')
     assert load_faults(RehearsalConfig()) == []  # a node's environment alone starts no fault
@@ -473,7 +473,7 @@ def test_the_orchestrator_allows_environment_faults_only_in_a_rehearsal_try():
     from ballast.launch_spec import run_config
     from ballast.spec import load_spec
     from helpers import EXAMPLE_SPEC
-    from training.config.sections import FaultSettings
+    from ballast.training.config.sections import FaultSettings
 
     spec = load_spec(EXAMPLE_SPEC)
     paths = dict(data_dir=".", data_format="petastorm", checkpoint_dir=".", output_dir=".")

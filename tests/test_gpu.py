@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from helpers import config, free_port, metric_value, record, run_single
 
-from training.failure import EXIT_CODES
+from ballast.training.failure import EXIT_CODES
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.integration,
@@ -32,7 +32,7 @@ def test_nccl_fp16_trains_resumes_and_reports_nvml(tmp_path, digits_cache):
 
     port = free_port()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-            "--module", "training", "--config"]
+            "--module", "ballast.training", "--config"]
     first = subprocess.run([*argv, str(config(tmp_path, digits_cache, epochs=1, edit=fp16))], capture_output=True,
                            text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]

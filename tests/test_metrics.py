@@ -11,8 +11,8 @@ import time
 import urllib.request
 
 import pytest
-import training.metrics
-from training.metrics import ScoreSums, classification_sums, improved, per_class_accuracy, reaches
+import ballast.training.metrics
+from ballast.training.metrics import ScoreSums, classification_sums, improved, per_class_accuracy, reaches
 
 pytestmark = pytest.mark.unit
 
@@ -66,14 +66,14 @@ def test_reaches_includes_the_threshold(value, threshold, mode, expected):
 
 
 def test_the_metrics_module_imports_no_torch_at_module_level():
-    tree = ast.parse(inspect.getsource(training.metrics))
+    tree = ast.parse(inspect.getsource(ballast.training.metrics))
     top = [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
     top += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
     assert not [m for m in top if m.split(".")[0] == "torch"]
 
 
 def test_a_metrics_port_in_use_is_a_warning_and_another_port_the_rank_reports(tmp_path, capsys):
-    from training.monitor import Metrics
+    from ballast.training.monitor import Metrics
 
     with socket.socket() as taken:  # another pipeline's rank, on the port this one was given
         taken.bind(("127.0.0.1", 0))

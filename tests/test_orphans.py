@@ -21,7 +21,7 @@ import pytest
 from ballast.supervise import (CANCELLED, LEASE, LEASE_ENV, end_leftovers, group_members, read_cancel, read_lease,
                                stop_running, supervise, was_cancelled)
 from helpers import config, free_port
-from training.parentdeath import proc_stat
+from ballast.training.parentdeath import proc_stat
 
 pytestmark = pytest.mark.integration
 
@@ -49,8 +49,8 @@ def two_ranks(d: dict) -> None:
 
 def launch_argv(cfg: Path) -> list[str]:
     """What the train stage runs (ballast.launch_spec.torchrun_argv), for one node of two ranks."""
-    return [sys.executable, "-m", "training.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
-            "--monitor-interval=0.5", "--standalone", "--module", "training", "--config", str(cfg)]
+    return [sys.executable, "-m", "ballast.training.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+            "--monitor-interval=0.5", "--standalone", "--module", "ballast.training", "--config", str(cfg)]
 
 
 def alive(pid: int) -> bool:
@@ -238,7 +238,7 @@ def test_e_group_sigterm_still_gives_a_preemption_checkpoint(tmp_path, digits_ca
     # The stalled-group and failed-warm-up paths end the group with SIGTERM first: every process of the
     # group gets it. The forkserver and the loader workers must live through it (dying of it, they took
     # the ranks down by parent death, or had them fail with a DataLoader traceback) so the ranks commit.
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     out = tmp_path / "out"
     out.mkdir()
@@ -335,7 +335,7 @@ def test_d_ballast_ui_stopped_by_a_signal_leaves_no_airflow_process(tmp_path, si
 def test_f_a_process_whose_parent_died_before_it_asked_ends_at_once(tmp_path):
     # The race a parent-death signal leaves open: the parent dies before the child's prctl. The child
     # then finds another parent than the one it was told of, and ends by the signal itself.
-    code = "import signal, sys; from training.parentdeath import die_with_parent;" \
+    code = "import signal, sys; from ballast.training.parentdeath import die_with_parent;" \
            " die_with_parent(getattr(signal, sys.argv[1]), int(sys.argv[2])); print('ran on')"
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -348,7 +348,7 @@ def test_f_a_process_whose_parent_died_before_it_asked_ends_at_once(tmp_path):
     assert proc.returncode == 0 and "ran on" in proc.stdout, proc.stderr
     # The exec wrapper `ballast ui` starts Airflow's processes with: the same check, then the program.
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "training.parentdeath", "--parent", str(gone.pid), "--", "sleep",
+    proc = subprocess.run([sys.executable, "-m", "ballast.training.parentdeath", "--parent", str(gone.pid), "--", "sleep",
                            "30"], timeout=30)
     assert proc.returncode == -signal.SIGTERM and time.monotonic() - t0 < 10
 

@@ -179,8 +179,8 @@ def test_preflight_refuses_a_disk_without_room_for_two_checkpoints_as_hardware(t
 
     import torch
 
-    from training.failure import TrainingFailure
-    from training.preflight import run_checks, state_bytes
+    from ballast.training.failure import TrainingFailure
+    from ballast.training.preflight import run_checks, state_bytes
 
     model = torch.nn.Linear(10, 10)
     opt = torch.optim.AdamW(model.parameters())
@@ -283,7 +283,7 @@ def test_publish_if_better_both_ways_and_a_warm_start_from_the_published_model(a
 
 
 def _checkpoint(root, step: int, weights):
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     w = ckpt.Writer(root, step, rank=0, barrier=lambda: None)
     w.begin()
@@ -296,8 +296,8 @@ def _checkpoint(root, step: int, weights):
 def test_the_gate_quarantines_what_fails_and_the_one_before_takes_its_place(tmp_path):
     import torch
 
-    from training import checkpoint as ckpt
-    from training.checkpoint import gate
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.checkpoint import gate
 
     good = _checkpoint(tmp_path, 10, {"w": torch.ones(3)})
     nan = _checkpoint(tmp_path, 20, {"w": torch.tensor([1.0, float("nan"), 2.0])})
@@ -325,8 +325,8 @@ def test_the_gate_quarantines_what_fails_and_the_one_before_takes_its_place(tmp_
 
 @pytest.mark.unit
 def test_a_save_that_failed_because_a_peer_went_away_is_communication_not_bad_data(tmp_path):
-    from training.checkpoint.saver import AsyncSaver
-    from training.failure import CheckpointFailure, TrainingFailure
+    from ballast.training.checkpoint.saver import AsyncSaver
+    from ballast.training.failure import CheckpointFailure, TrainingFailure
 
     saver = AsyncSaver.__new__(AsyncSaver)
     saver._thread, saver.idle, saver.root = None, False, tmp_path

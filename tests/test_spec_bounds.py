@@ -100,7 +100,7 @@ def test_an_error_beside_an_alias_bomb_is_placed_without_walking_the_bomb():
 
 @pytest.mark.unit
 def test_values_are_cut_before_their_repr():
-    from training.config.messages import short
+    from ballast.training.config.messages import short
 
     nested: list = ["x"] * 9
     for _ in range(8):
@@ -294,7 +294,7 @@ def test_the_largest_accepted_values_still_load(tmp_path):
 @pytest.mark.unit
 def test_the_run_config_refuses_what_the_spec_refuses():
     from ballast.launch_spec import run_config
-    from training.failure import ConfigFailure
+    from ballast.training.failure import ConfigFailure
 
     cfg = run_config(load_spec(EXAMPLE_SPEC), data_dir=".", data_format="petastorm", checkpoint_dir=".",
                      output_dir=".")

@@ -80,8 +80,8 @@ def test_the_compose_stack_binds_loopback_and_takes_every_secret_from_env():
 
 @pytest.mark.unit
 def test_rules_and_dashboard_ask_only_for_metrics_the_trainer_exports(tmp_path):
-    from training.config.run import RunIdentity
-    from training.monitor import Metrics
+    from ballast.training.config.run import RunIdentity
+    from ballast.training.monitor import Metrics
 
     metrics = Metrics(out_dir=tmp_path, rank=0, port=free_port(), identity=RunIdentity(pipeline="p"))
     exported = set()

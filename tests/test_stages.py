@@ -227,7 +227,7 @@ def test_converted_shards_are_readable_by_petastorm_and_tfrecord(tmp_path, digit
 def test_png_images_roundtrip_through_petastorm_and_the_training_reader(tmp_path):
     from petastorm import make_reader
 
-    from training.dataset.reader import load_split
+    from ballast.training.dataset.reader import load_split
 
     rng = np.random.default_rng(3)
     images = rng.integers(0, 256, size=(600, 64), dtype=np.uint8)
@@ -278,7 +278,7 @@ def test_convert_streams_in_bounded_batches_with_the_same_output(tmp_path, digit
 
 @pytest.mark.integration
 def test_warm_cache_stages_follow_the_training_read_order(tmp_path, digits_raw):
-    from training.dataset.loader import EpochLoader
+    from ballast.training.dataset.loader import EpochLoader
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["conversion"].update(shard_rows=100))
     out = run_chain(ctx, validate, convert, warm_cache)["warm_cache"]

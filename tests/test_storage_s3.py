@@ -84,7 +84,7 @@ def test_committed_checkpoints_upload_marker_last(bucket, tmp_path):
     from ballast.spec import parse_spec
     from ballast.stages.train import upload_checkpoints
     from helpers import example_data
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     for step in (10, 20):
         w = ckpt.Writer(tmp_path, step, rank=0, barrier=lambda: None)

@@ -20,8 +20,8 @@ import pytest
 from ballast.packing import FeatureEncoder, write_shard
 from ballast.spec import FieldSpec
 
-from training.dataset.format import FORMAT_VERSION
-from training.dataset.reader import load_split
+from ballast.training.dataset.format import FORMAT_VERSION
+from ballast.training.dataset.reader import load_split
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -14,8 +14,8 @@ from ballast.spec import load_spec, parse_spec
 from ballast.stages import convert, validate, warm_cache
 from helpers import EXAMPLE_SPEC, example_data, make_ctx, run_chain, warm_cache_rest, write_raw
 
-from training import checkpoint as ckpt
-from training.failure import EXIT_CODES
+from ballast.training import checkpoint as ckpt
+from ballast.training.failure import EXIT_CODES
 
 
 def launch(tmp: Path, cache: dict, *, epochs: int, edit=None, out: str = "out") -> tuple[subprocess.CompletedProcess, Path]:
@@ -88,7 +88,7 @@ def test_bad_run_config_exits_with_config_code_and_record(tmp_path, digits_cache
     data["model"]["model"] = "resnet9000"  # past the spec's check: the trainer's own load refuses it too
     cfg_path = tmp_path / "run.json"
     cfg_path.write_text(json.dumps(data))
-    proc = subprocess.run([sys.executable, "-m", "training", "--config", str(cfg_path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ballast.training", "--config", str(cfg_path)], capture_output=True, text=True)
     assert proc.returncode == EXIT_CODES["config"]
     assert "unknown model 'resnet9000'" in proc.stderr
 
@@ -101,7 +101,7 @@ def test_missing_data_is_a_data_failure(tmp_path):
     cfg = run_config(spec, data_dir=str(tmp_path / "nowhere"), data_format="petastorm",
                      checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(out))
     cfg.dump(tmp_path / "run.json")
-    proc = subprocess.run([sys.executable, "-m", "training", "--config", str(tmp_path / "run.json")],
+    proc = subprocess.run([sys.executable, "-m", "ballast.training", "--config", str(tmp_path / "run.json")],
                           capture_output=True, text=True)
     assert proc.returncode == EXIT_CODES["data"]
     record = json.loads((out / "failure.json").read_text())
@@ -174,7 +174,7 @@ def test_prune_keeps_last_k_and_best(tmp_path):
 def test_checkpoint_recorded_model_rebuilds_the_model_without_the_spec(tmp_path):
     import torch
 
-    from training.models import build_model
+    from ballast.training.models import build_model
 
     section = {"model": "mlp", "input_shape": [4, 4], "num_classes": 3, "hidden_size": 16, "dropout": 0.2}
     trained = build_model("mlp", input_shape=[4, 4], num_classes=3, hidden=16, dropout=0.2)
@@ -203,8 +203,8 @@ def test_checkpoint_recorded_model_rebuilds_the_model_without_the_spec(tmp_path)
 def test_launch_specs_are_pure_functions():
     spec = load_spec(EXAMPLE_SPEC)
     argv = torchrun_argv(spec, "/run/cfg.json", python="/py")
-    assert argv == ["/py", "-m", "training.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
-                    "--monitor-interval=0.1", "--standalone", "--module", "training", "--config", "/run/cfg.json"]
+    assert argv == ["/py", "-m", "ballast.training.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+                    "--monitor-interval=0.1", "--standalone", "--module", "ballast.training", "--config", "/run/cfg.json"]
     multi = parse_spec({**example_data(), "training": {**example_data()["training"], "nodes": 2, "global_batch_size": 128},
                         "execution": {"backend": "slurm", "slurm": {"partition": "debug"}}})
     argv = torchrun_argv(multi, "c.json", python="/py", rdzv_endpoint="head:29400", run_id="r1")
@@ -228,7 +228,7 @@ def test_epoch_loader_shards_per_rank_and_resumes_mid_epoch(tmp_path, digits_raw
     import numpy as np
     import torch
 
-    from training.dataset.loader import EpochLoader
+    from ballast.training.dataset.loader import EpochLoader
 
     if fmt == "tfrecord":
         ctx = make_ctx(tmp_path, digits_raw, lambda d: d["training"].update(data_format="tfrecord"))
@@ -261,8 +261,8 @@ def test_loader_workers_are_not_forked_while_the_checkpoint_writer_serialises(di
     import threading
     import time
 
-    from training.dataset.loader import EpochLoader
-    from training.forkgate import GATE
+    from ballast.training.dataset.loader import EpochLoader
+    from ballast.training.forkgate import GATE
 
     loader = EpochLoader(Path(digits_cache.cache_dir), fmt="petastorm", rank=0, world=2, seed=5, workers=2)
     released = []
@@ -291,8 +291,8 @@ def test_loader_workers_are_not_forked_while_the_checkpoint_writer_serialises(di
 def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
     import shutil
 
-    from training.dataset.reader import load_split
-    from training.failure import DataFailure
+    from ballast.training.dataset.reader import load_split
+    from ballast.training.failure import DataFailure
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: d["training"].update(data_format=fmt))
     cache = Path(run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"].cache_dir)
@@ -314,7 +314,7 @@ def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
 def test_embeddings_stay_fp32_under_bf16_autocast():
     import torch
 
-    from training.models import build_model
+    from ballast.training.models import build_model
 
     model = build_model("embed", input_shape=[8, 8], num_classes=10, hidden=32)
     x = torch.randint(0, 256, (4, 8, 8)).float()
@@ -506,7 +506,7 @@ def test_forked_loader_worker_drops_the_ranks_tcp_sockets():
     import os
     import socket
 
-    from training.dataset import loader as data
+    from ballast.training.dataset import loader as data
 
     tcp = socket.socket()
     tcp.bind(("127.0.0.1", 0))
@@ -537,7 +537,7 @@ def test_resume_keeps_the_fused_optimizer_kernel():
     """A state saved by a foreach AdamW (an older version) must not switch a fused one back."""
     import torch
 
-    from training.models import build_optimizer, keeping_optimizer_kernel
+    from ballast.training.models import build_optimizer, keeping_optimizer_kernel
 
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.ones(3)
@@ -560,7 +560,7 @@ def test_training_processes_keep_freed_host_memory_for_reuse(tmp_path):
     script.write_text(
         "import resource, sys\n"
         "import torch\n"
-        "from training.hostmem import keep_freed_memory\n"
+        "from ballast.training.hostmem import keep_freed_memory\n"
         "done = keep_freed_memory() if sys.argv[1] == 'keep' else {}\n"
         "def step():\n"  # two 64 MB blocks: above glibc's largest dynamic mmap threshold (32 MiB)
         "    x = torch.ones(16_000_000)\n"

@@ -14,26 +14,26 @@ import os
 import sys
 from pathlib import Path
 
-from training.failure import EXIT_CODES, TrainingFailure, classify, write_record
+from ballast.training.failure import EXIT_CODES, TrainingFailure, classify, write_record
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ballast.training", description=__doc__)
     parser.add_argument("--config", required=True, help="run config JSON written by the orchestrator")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     out_dir = None
     trainer = None
     try:
-        from training.config import RunConfig
+        from ballast.training.config import RunConfig
 
         cfg = RunConfig.load(args.config)
         out_dir = Path(cfg.output_dir)
         if cfg.resources.reuse_freed_memory:
-            from training.hostmem import keep_freed_memory
+            from ballast.training.hostmem import keep_freed_memory
 
             keep_freed_memory()
-        from training.trainer import Trainer
+        from ballast.training.trainer import Trainer
 
         trainer = Trainer(cfg)
         trainer.run()
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (Exception, KeyboardInterrupt) as exc:
         cls = classify(exc)
-        from training.parentdeath import output_orphaned
+        from ballast.training.parentdeath import output_orphaned
 
         if output_orphaned():
             return EXIT_CODES[cls]  # no record, no message: nobody is left to read either
@@ -61,7 +61,7 @@ if __name__ == "__main__":
     if os.environ.get("BALLAST_PARENT_PID"):  # started by the orchestrator itself, without the launcher
         import signal
 
-        from training.parentdeath import die_with_parent
+        from ballast.training.parentdeath import die_with_parent
 
         die_with_parent(signal.SIGKILL, int(os.environ.pop("BALLAST_PARENT_PID")))
     sys.exit(main())

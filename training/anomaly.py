@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from training.config.sections import MonitorSettings
-from training.monitor import SpikeDetector
+from ballast.training.config.sections import MonitorSettings
+from ballast.training.monitor import SpikeDetector
 
 Action = Literal["train", "diverged", "rollback", "checkpoint", "alert"]
 

@@ -19,15 +19,15 @@ def main() -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from training.config import RunConfig
-    from training.dataset.loader import EpochLoader
-    from training.models import build_configured_model, build_optimizer
+    from ballast.training.config import RunConfig
+    from ballast.training.dataset.loader import EpochLoader
+    from ballast.training.models import build_configured_model, build_optimizer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     cfg = RunConfig.load(parser.parse_args().config)
     if cfg.resources.reuse_freed_memory:  # the same process set-up as the trainer's: this compares the loops
-        from training.hostmem import keep_freed_memory
+        from ballast.training.hostmem import keep_freed_memory
 
         keep_freed_memory()
     dist.init_process_group("gloo")

@@ -11,7 +11,7 @@ import datetime as dt
 import os
 from typing import Any, Callable
 
-from training.config.run import DistributedConfig
+from ballast.training.config.run import DistributedConfig
 
 
 class Distributed:

@@ -106,7 +106,7 @@ def classify(exc: BaseException) -> str:
         return exc.failure_class
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return "oom"
-    from training.failure_patterns import classify_text  # imported here: that module imports this one
+    from ballast.training.failure_patterns import classify_text  # imported here: that module imports this one
 
     match = classify_text(f"{type(exc).__name__}: {exc}")
     return match.failure_class if match else "user_code"

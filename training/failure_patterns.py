@@ -29,7 +29,7 @@ import re
 import signal
 from dataclasses import dataclass, field
 
-from training.failure import EXIT_CODES, FAILURE_CLASSES
+from ballast.training.failure import EXIT_CODES, FAILURE_CLASSES
 
 CANCELLED = "cancelled"
 """Not a failure class: the orchestrator stopped the process itself (task cancelled, run marked failed)."""

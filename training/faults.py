@@ -21,8 +21,8 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from training.config.sections import FaultKind, FaultSettings
-from training.failure import ConfigFailure
+from ballast.training.config.sections import FaultKind, FaultSettings
+from ballast.training.failure import ConfigFailure
 
 KINDS: tuple[str, ...] = get_args(FaultKind)
 _LOSS_FAULTS = {"nan": float("nan"), "spike": 1000.0}
@@ -99,7 +99,7 @@ class Injector:
     def _corrupt_newest_checkpoint(self) -> None:
         """Flip bytes in the middle of the newest committed checkpoint's model.pt (its size unchanged,
         so only its hash and contents tell)."""
-        from training import checkpoint as ckpt
+        from ballast.training import checkpoint as ckpt
 
         if self.checkpoint_dir is None or self.rank != 0:
             return

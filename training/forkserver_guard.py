@@ -12,7 +12,7 @@ forkserver lives and dies with the agent.
 import os
 import signal
 
-from training.parentdeath import die_with_parent
+from ballast.training.parentdeath import die_with_parent
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 _agent = os.environ.get("BALLAST_AGENT_PID")

@@ -1,4 +1,4 @@
-"""torchrun with the trainer preloaded: `python -m training.launch [torchrun options] --module training --config F`.
+"""torchrun with the trainer preloaded: `python -m ballast.training.launch [torchrun options] --module ballast.training --config F`.
 
 Same options, rendezvous and restart policy as `torchrun` (torch.distributed.run's own parser and
 elastic agent), but workers are forked from a forkserver that imported torch and the trainer once.
@@ -53,14 +53,14 @@ AGENT_ENV = "BALLAST_AGENT_PID"  # set here, for the workers: the agent their fo
 
 
 def worker(*argv: str) -> None:
-    """One rank: what `python -m training --config F` does, inside a forked worker."""
-    from training.parentdeath import die_with_parent
+    """One rank: what `python -m ballast.training --config F` does, inside a forked worker."""
+    from ballast.training.parentdeath import die_with_parent
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it (training.forkserver_guard)
     # The parent is the forkserver; it must still be the agent's (it exits when the agent does).
     agent = os.environ.get(AGENT_ENV)
     die_with_parent(signal.SIGKILL, grandparent=int(agent) if agent else None)
-    from training.__main__ import main
+    from ballast.training.__main__ import main
 
     code = main(list(argv))
     if code:
@@ -70,7 +70,7 @@ def worker(*argv: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parent = os.environ.pop(PARENT_ENV, None)
     if parent:  # bound now, importing torch takes seconds: until the handler below, SIGHUP simply ends us
-        from training.parentdeath import die_with_parent
+        from ballast.training.parentdeath import die_with_parent
 
         signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not an inherited SIG_IGN (nohup)
         die_with_parent(signal.SIGHUP, int(parent))
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
     args = get_args_parser().parse_args(argv if argv is not None else sys.argv[1:])
-    if args.training_script != "training":
-        raise SystemExit("training.launch runs the trainer only: pass --module training --config FILE")
+    if args.training_script != "ballast.training":
+        raise SystemExit("training.launch runs the trainer only: pass --module ballast.training --config FILE")
     # As torch.distributed.run.run() does before building the config.
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
                            and parse_min_max_nnodes(args.nnodes)[1] == 1):
@@ -126,7 +126,7 @@ def _start_forkserver() -> None:
     OMP_NUM_THREADS, ...) reaches them from the agent when they are forked, not from the forkserver's."""
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload(["training.forkserver_guard", "training.worker_preload"])
+    multiprocessing.set_forkserver_preload(["ballast.training.forkserver_guard", "ballast.training.worker_preload"])
     forkserver.ensure_running()  # returns at once; the forkserver accepts its first fork once preloaded
 
 
@@ -189,7 +189,7 @@ def _restart_only_what_a_restart_fixes(out_dir: Path | None) -> None:
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from training.failure import EXIT_CODES, RECORD_NAME, read_record
+    from ballast.training.failure import EXIT_CODES, RECORD_NAME, read_record
 
     if out_dir is None or getattr(SimpleElasticAgent, "_ballast_patched", False):
         return

@@ -157,7 +157,7 @@ class Metrics:
     rank), from the run config's `identity`."""
 
     def __init__(self, *, out_dir: Path, rank: int, port: int | None, identity: Any = None):
-        from training.failure import host_name
+        from ballast.training.failure import host_name
 
         self.out_dir = out_dir
         self.rank = rank

@@ -5,7 +5,7 @@ how it is used here:
 
 - It is cleared in a forked child and kept across execve, so every process sets its own (the torchrun
   agent, each rank, each loader worker), and a wrapper can set it and exec the real program:
-  `python -m training.parentdeath --parent PID --signal TERM -- program args...` (`ballast ui` starts
+  `python -m ballast.training.parentdeath --parent PID --signal TERM -- program args...` (`ballast ui` starts
   Airflow's processes so).
 - "Parent" is the thread that forked the child: when that thread ends, the signal comes although the
   parent process lives on. Every user here forks from a thread that outlives its child: the task's
@@ -104,9 +104,9 @@ def _signal(name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m training.parentdeath --parent PID --signal TERM -- program args...`: exec the program
+    """`python -m ballast.training.parentdeath --parent PID --signal TERM -- program args...`: exec the program
     with its parent-death signal set (kept across exec), after checking the parent is still PID."""
-    parser = argparse.ArgumentParser(prog="python -m training.parentdeath", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ballast.training.parentdeath", description=main.__doc__)
     parser.add_argument("--parent", type=int, required=True, help="the pid the parent must have")
     parser.add_argument("--signal", type=_signal, default=signal.SIGTERM, help="signal name (default TERM)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program args...")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training.failure import TrainingFailure, host_name
+from ballast.training.failure import TrainingFailure, host_name
 
 CHECKPOINTS_OF_ROOM = 2
 

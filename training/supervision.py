@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from training.failure import EXIT_CODES, Preempted, TrainingFailure, write_record
-from training.monitor import Nvml, Watchdog, memory_bytes
+from ballast.training.failure import EXIT_CODES, Preempted, TrainingFailure, write_record
+from ballast.training.monitor import Nvml, Watchdog, memory_bytes
 
 
 class Supervision:
@@ -73,7 +73,7 @@ class Supervision:
             timer.start()
 
     def _grace_expired(self) -> None:
-        from training.parentdeath import output_orphaned
+        from ballast.training.parentdeath import output_orphaned
 
         if output_orphaned():
             os._exit(EXIT_CODES["preempted"])

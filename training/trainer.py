@@ -26,20 +26,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training import checkpoint as ckpt
-from training.anomaly import AnomalyPolicy, Verdict
-from training.checkpoint.manager import CheckpointManager
-from training.config import RunConfig
-from training.dataset.loader import EpochLoader
-from training.dataset.reader import Split, load_split
-from training.distributed import Distributed
-from training.failure import DataFailure, DivergenceFailure, Preempted, TrainingFailure
-from training.faults import Injector, load_faults
-from training.preflight import run_checks, state_bytes
-from training.models import build_configured_model, build_optimizer
-from training.monitor import Metrics, grad_stats
-from training.state import TrainState
-from training.supervision import Supervision
+from ballast.training import checkpoint as ckpt
+from ballast.training.anomaly import AnomalyPolicy, Verdict
+from ballast.training.checkpoint.manager import CheckpointManager
+from ballast.training.config import RunConfig
+from ballast.training.dataset.loader import EpochLoader
+from ballast.training.dataset.reader import Split, load_split
+from ballast.training.distributed import Distributed
+from ballast.training.failure import DataFailure, DivergenceFailure, Preempted, TrainingFailure
+from ballast.training.faults import Injector, load_faults
+from ballast.training.preflight import run_checks, state_bytes
+from ballast.training.models import build_configured_model, build_optimizer
+from ballast.training.monitor import Metrics, grad_stats
+from ballast.training.state import TrainState
+from ballast.training.supervision import Supervision
 
 
 class Trainer:
@@ -327,7 +327,7 @@ class Trainer:
         """Scores on `data`, each rank scoring its share and the parts summed (training.metrics)."""
         import torch
 
-        from training.metrics import ScoreSums, classification_sums
+        from ballast.training.metrics import ScoreSums, classification_sums
 
         model = self.raw_model  # under FSDP the sharded module itself; its forward gathers the weights
         model.eval()
@@ -340,7 +340,7 @@ class Trainer:
 
     def improved(self, value: float) -> bool:
         """Whether `value` is a new best validation score (the one rule: training.metrics.improved)."""
-        from training.metrics import improved
+        from ballast.training.metrics import improved
 
         best = self.state.best
         return improved(value, None if best is None else best["value"], mode=self.cfg.early_stop.mode,

@@ -9,4 +9,4 @@ import torch  # noqa: F401
 import torch._dynamo  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
-import training.trainer  # noqa: F401
+import ballast.training.trainer  # noqa: F401

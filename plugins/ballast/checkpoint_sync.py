@@ -35,7 +35,7 @@ def _prefix(ctx: RunContext) -> str:
 
 def stored(storage: Storage, prefix: str) -> list[str]:
     """The checkpoint directories (`step-NNNNNNNN`) under `prefix` in storage, oldest first."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     names = (n.rstrip("/") for n in storage.list_dir(prefix) if n.endswith("/"))
     return sorted((n for n in names if ckpt.step_of_name(n) is not None), key=ckpt.step_of_name)
@@ -44,7 +44,7 @@ def stored(storage: Storage, prefix: str) -> list[str]:
 def stored_files(storage: Storage, prefix: str, name: str) -> list[str] | None:
     """The files of checkpoint `name` in storage, the marker last, if it is committed there (its marker,
     its manifest and every file the manifest lists); None if it is not."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     base = f"{prefix}{name}/"
     present = set(storage.list_dir(base))
@@ -65,7 +65,7 @@ def pull_for_resume(ctx: RunContext, ckpt_dir: Path) -> list[str]:
     """What a node resumes from, and nothing else: the newest checkpoint in storage that passes the
     trainer's resume gate here (`training.checkpoint.gate.check` without a probe; the last
     `resume_average_last` of them when resuming from their average); none without resume."""
-    from training.checkpoint import gate
+    from ballast.training.checkpoint import gate
 
     settings = ctx.spec.training.checkpoint
     return pull(ctx, ckpt_dir, newest=max(1, settings.resume_average_last) if settings.resume else 0,
@@ -78,7 +78,7 @@ def pull(ctx: RunContext, ckpt_dir: Path, *, newest: int | None = None,
     them are here (None: all); the names pulled, oldest first. Each is downloaded beside its final place
     and moved there only once it passes `check` (default: `training.checkpoint.verify`); one that does
     not is logged and skipped."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     prefix = _prefix(ctx)
     have = {p.name for p in ckpt.committed(ckpt_dir)}
@@ -93,7 +93,7 @@ def pull(ctx: RunContext, ckpt_dir: Path, *, newest: int | None = None,
 
 
 def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path, check: Callable[[Path], object]) -> bool:
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     files = stored_files(ctx.storage, prefix, name)
     if files is None:
@@ -124,7 +124,7 @@ def push(ctx: RunContext, ckpt_dir: Path) -> list[str]:
     """Committed checkpoints of this disk not yet in storage, each once it verifies: files first, then
     manifest.json, then COMMITTED. One that storage holds with another manifest (the same step saved
     again after a resume) is replaced, its marker in storage removed first. Then storage is pruned."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     prefix, done = _prefix(ctx), []
     for path in ckpt.committed(ckpt_dir):
@@ -148,7 +148,7 @@ def push(ctx: RunContext, ckpt_dir: Path) -> list[str]:
 
 def _pushed(storage: Storage, base: str, path: Path) -> bool:
     """Whether storage holds this very checkpoint: its marker (pushed last), over the same manifest."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     try:
         return storage.exists(base + ckpt.COMMIT_MARKER) and \
@@ -160,7 +160,7 @@ def _pushed(storage: Storage, base: str, path: Path) -> bool:
 def prune(ctx: RunContext) -> list[str]:
     """Delete the checkpoints in storage older than the newest `checkpoint.keep_last` committed there,
     except the best one (as the newest records it): what `training.checkpoint.prune` does on the disk."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     prefix, keep_last = _prefix(ctx), ctx.spec.training.checkpoint.keep_last
     names = stored(ctx.storage, prefix)
@@ -184,7 +184,7 @@ def prune(ctx: RunContext) -> list[str]:
 
 
 def _best_step(storage: Storage, base: str) -> int | None:
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     try:
         best = json.loads(storage.read_bytes(base + ckpt.TRAINER_STATE)).get("best")
@@ -196,7 +196,7 @@ def _best_step(storage: Storage, base: str) -> int | None:
 def _remove(storage: Storage, base: str, *, keep: set[str] = frozenset()) -> None:
     """Delete a checkpoint directory in storage (but the files in `keep`), its marker first: a reader
     never finds a marker over a partial directory."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     storage.delete(base + ckpt.COMMIT_MARKER)
     for key in list(storage.list(base)):

@@ -13,7 +13,7 @@ any error that ends a task; the spec's recovery policy (`recovery.policy`, appli
 
 from __future__ import annotations
 
-from training.failure import TrainingFailure
+from ballast.training.failure import TrainingFailure
 
 
 class BallastError(Exception):

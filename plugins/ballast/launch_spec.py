@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from ballast.spec import Spec
-from training.config.run import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig, ModelConfig,
+from ballast.training.config.run import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig, ModelConfig,
                                  RehearsalConfig, RunConfig, RunIdentity)
-from training.config.sections import (EarlyStopSettings, ExecutionSettings, NumericsSettings, OptimSettings,
+from ballast.training.config.sections import (EarlyStopSettings, ExecutionSettings, NumericsSettings, OptimSettings,
                                       RecoverySettings, ResourceSettings)
 
 S = TypeVar("S", bound=BaseModel)
@@ -73,7 +73,7 @@ def torchrun_argv(spec: Spec, config_path: str | Path, *, python: str = sys.exec
     t = spec.training
     # training.launch is torchrun (same options and elastic agent) with workers forked from a process
     # that already imported torch: a restarted group is training again seconds sooner.
-    argv = [python, "-m", "training.launch",
+    argv = [python, "-m", "ballast.training.launch",
             f"--nnodes={t.nodes}", f"--nproc-per-node={t.processes_per_node}",
             f"--max-restarts={spec.recovery.max_restarts}", "--monitor-interval=0.1"]
     if t.nodes == 1 and rdzv_endpoint is None:
@@ -81,5 +81,5 @@ def torchrun_argv(spec: Spec, config_path: str | Path, *, python: str = sys.exec
     else:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint or 'localhost:29400'}",
                  f"--rdzv-id={run_id}"]
-    argv += ["--module", "training", "--config", str(config_path)]
+    argv += ["--module", "ballast.training", "--config", str(config_path)]
     return argv

@@ -9,7 +9,7 @@ which then stops them in order); `stop` signals each whole group, so their own c
 workers, the LocalExecutor's task processes) go too. `serve` (`ballast ui`) stops the stack on SIGTERM,
 SIGHUP and SIGINT alike (a second signal SIGKILLs what is left) and exits 128 + the signal's number (0
 for Ctrl-C). For a SIGKILL, which nothing can catch, `bind_to_parent` starts each Airflow process
-through `python -m training.parentdeath`, which sets its parent-death signal (SIGTERM) and execs
+through `python -m ballast.training.parentdeath`, which sets its parent-death signal (SIGTERM) and execs
 Airflow: Airflow's own SIGTERM handling then ends its children.
 """
 
@@ -112,7 +112,7 @@ class LocalStack:
         raise TimeoutError(f"Airflow did not become healthy on {self.base} within {timeout:.0f}s; see {self.log_dir}")
 
     def _spawn(self, name: str) -> subprocess.Popen:
-        wrap = ([sys.executable, "-m", "training.parentdeath", "--parent", str(os.getpid()), "--signal", "TERM", "--"]
+        wrap = ([sys.executable, "-m", "ballast.training.parentdeath", "--parent", str(os.getpid()), "--signal", "TERM", "--"]
                 if self.bind_to_parent else [])
         with open(self.log_dir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(wrap + self.airflow + self.commands[name], env=self.env, stdout=log,

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(_read_job(args.job), rank)
     except BallastError as exc:
         log.error("%s", exc)
-        from training.failure import EXIT_CODES
+        from ballast.training.failure import EXIT_CODES
 
         return EXIT_CODES["config"] if getattr(exc, "failure_class", "config") == "config" else 1
 
@@ -108,7 +108,7 @@ def run(job: NodeJob, rank: int) -> int:
     from ballast.spec import Spec
     from ballast.stages.warm_cache import dataset_dir, warm
     from ballast.storage import ballast_home
-    from training.config.run import RunConfig
+    from ballast.training.config.run import RunConfig
 
     data = dict(job.spec)
     host = node_name()

@@ -18,9 +18,9 @@ from typing import Any, Iterator
 
 from ballast.errors import DataError
 from ballast.spec import DatasetSpec, FieldSpec
-from training.dataset.format import (FORMAT_VERSION, FeatureLayout, encode_images, encode_npy, npy_header, numpy_dtype,
+from ballast.training.dataset.format import (FORMAT_VERSION, FeatureLayout, encode_images, encode_npy, npy_header, numpy_dtype,
                                      tfrecord_examples, tfrecord_value)
-from training.failure import DataFailure
+from ballast.training.failure import DataFailure
 
 __all__ = ["FORMAT_VERSION", "SPLITS", "FeatureEncoder", "feature_layout", "layout", "plan_chunks", "read_chunk",
            "split_codes", "unischema", "write_petastorm_metadata", "write_shard"]

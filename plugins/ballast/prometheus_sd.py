@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ballast.context import safe_run_id
 from ballast.storage import atomic_write_bytes, ballast_home
-from training.monitor import PORT_FILE
+from ballast.training.monitor import PORT_FILE
 
 FOLLOW_SECONDS = 1.0
 

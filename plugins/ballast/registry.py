@@ -96,9 +96,9 @@ def weights(ctx: RunContext, published: Published, dest_dir: Path) -> Path:
 
 def load(path: Path, model_section: dict[str, Any]) -> Any:
     """The model a published card describes, with its weights (loaded without unpickling)."""
-    from training import checkpoint as ckpt
-    from training.config.run import ModelConfig
-    from training.models import build_configured_model
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.config.run import ModelConfig
+    from ballast.training.models import build_configured_model
 
     model = build_configured_model(ModelConfig.model_validate(model_section))
     model.load_state_dict(ckpt.load_tensors(path))

@@ -20,7 +20,7 @@ from ballast.errors import BallastError, SpecError, from_training, retry_helps
 from ballast.plan import STAGE_MODULES, STAGES
 from ballast.records import AppliedParameter, EffectiveSpec
 from ballast.spec import apply_overrides, check_parameter_names, get_path, parameter_paths, parse_spec
-from training.failure import TrainingFailure
+from ballast.training.failure import TrainingFailure
 
 log = logging.getLogger("ballast")
 

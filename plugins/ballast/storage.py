@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Iterable, Iterator
 
 from ballast.errors import StorageError
-from training.checkpoint import sha256_file  # noqa: F401  (one implementation, re-exported for the stages)
+from ballast.training.checkpoint import sha256_file  # noqa: F401  (one implementation, re-exported for the stages)
 
 
 def safe_key(key: str) -> str:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.parentdeath import proc_stat
+from ballast.training.parentdeath import proc_stat
 
 if TYPE_CHECKING:
     from ballast.context import RunContext

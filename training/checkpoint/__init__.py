@@ -8,7 +8,7 @@ and `ballast.storage` import this package in the orchestrator):
     fileio    the O_DIRECT writer that hashes while writing, `sha256_file`, the tensor-only loader
     sharding  the optimizer state in parts, one share per rank, merged at load
     saver     the background writer (`AsyncSaver`), at idle CPU priority where asked
-    average   the mean of the last checkpoints' weights, and the export CLI (`python -m training.average`)
+    average   the mean of the last checkpoints' weights, and the export CLI (`python -m ballast.training.average`)
     snapshot  CPU copies of the state into buffers reused from save to save
     gate      the verification gate (`check`), quarantine, the newest checkpoint that passes
     manager   what a training checkpoint holds: the trainer's `save(reason)` and `load()`
@@ -19,8 +19,8 @@ Callers use the package: `from training import checkpoint as ckpt; ckpt.verify(p
 
 from __future__ import annotations
 
-from training.checkpoint.average import average
-from training.checkpoint.commit import (
+from ballast.training.checkpoint.average import average
+from ballast.training.checkpoint.commit import (
     COMMIT_MARKER,
     MANIFEST,
     TRAINER_STATE,
@@ -36,11 +36,11 @@ from training.checkpoint.commit import (
     uncommit,
     verify,
 )
-from training.checkpoint.fileio import _FileWriter  # noqa: F401  (the tests spy on its writes)
-from training.checkpoint.fileio import load_tensors, sha256_file, staging_buffer
-from training.checkpoint.saver import AsyncSaver
-from training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
-from training.failure import CheckpointFailure
+from ballast.training.checkpoint.fileio import _FileWriter  # noqa: F401  (the tests spy on its writes)
+from ballast.training.checkpoint.fileio import load_tensors, sha256_file, staging_buffer
+from ballast.training.checkpoint.saver import AsyncSaver
+from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
+from ballast.training.failure import CheckpointFailure
 
 __all__ = [
     "COMMIT_MARKER", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",

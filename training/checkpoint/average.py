@@ -1,6 +1,6 @@
 """Average the weights of the last K committed checkpoints into one model file (for export).
 
-    python -m training.average CHECKPOINT_DIR --last 3 --out model.pt
+    python -m ballast.training.average CHECKPOINT_DIR --last 3 --out model.pt
 
 Only committed checkpoints whose files match their manifests are used; the output holds tensors only.
 The trainer uses `average` too, to resume from the mean of the last checkpoints
@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint.commit import committed, verify
-from training.checkpoint.fileio import load_tensors
-from training.failure import CheckpointFailure
+from ballast.training.checkpoint.commit import committed, verify
+from ballast.training.checkpoint.fileio import load_tensors
+from ballast.training.failure import CheckpointFailure
 
 
 def average(paths: list[Path]) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def average(paths: list[Path]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """The export CLI: 0 with the file written, 1 with one line on stderr when a checkpoint is refused."""
-    p = argparse.ArgumentParser(prog="python -m training.average", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ballast.training.average", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint_dir", type=Path)
     p.add_argument("--last", type=int, default=3, help="how many of the newest checkpoints (default 3)")
     p.add_argument("--out", type=Path, required=True)

@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint.fileio import _FileWriter, sha256_file, staging_buffer
-from training.failure import CheckpointFailure
+from ballast.training.checkpoint.fileio import _FileWriter, sha256_file, staging_buffer
+from ballast.training.failure import CheckpointFailure
 
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"

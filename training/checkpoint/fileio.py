@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from training.failure import CheckpointFailure
+from ballast.training.failure import CheckpointFailure
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

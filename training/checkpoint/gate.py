@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from training.checkpoint.commit import _step_of, committed, read_trainer_state, verify
-from training.checkpoint.fileio import load_tensors
-from training.failure import CheckpointFailure
+from ballast.training.checkpoint.commit import _step_of, committed, read_trainer_state, verify
+from ballast.training.checkpoint.fileio import load_tensors
+from ballast.training.failure import CheckpointFailure
 
 QUARANTINE_DIR = "quarantine"
 REASON_FILE = "QUARANTINED.json"

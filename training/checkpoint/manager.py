@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from training.checkpoint.average import average
-from training.checkpoint.commit import TRAINER_STATE, committed, read_trainer_state, recorded_model
-from training.checkpoint.fileio import load_tensors
-from training.checkpoint.saver import AsyncSaver
-from training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
-from training.checkpoint.snapshot import Snapshot
-from training.config.run import CheckpointConfig, ModelConfig
-from training.failure import CheckpointFailure
-from training.state import TrainState
+from ballast.training.checkpoint.average import average
+from ballast.training.checkpoint.commit import TRAINER_STATE, committed, read_trainer_state, recorded_model
+from ballast.training.checkpoint.fileio import load_tensors
+from ballast.training.checkpoint.saver import AsyncSaver
+from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
+from ballast.training.checkpoint.snapshot import Snapshot
+from ballast.training.config.run import CheckpointConfig, ModelConfig
+from ballast.training.failure import CheckpointFailure
+from ballast.training.state import TrainState
 
 
 class CheckpointManager:
@@ -131,7 +131,7 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         """The newest checkpoint that passes the verification gate (`training.checkpoint.gate.check`);
         newer ones that fail are skipped here and quarantined by the orchestrator."""
-        from training.checkpoint.gate import latest_passing
+        from ballast.training.checkpoint.gate import latest_passing
 
         return latest_passing(self.root, quarantine_failures=False, log=self.log)
 
@@ -215,7 +215,7 @@ class CheckpointManager:
                                     f" {describe(mine).replace(' classes', '')}; refusing to resume")
 
     def _load_full_state(self, model_sd: dict, optim_sd: dict | None) -> None:
-        from training.models import keeping_optimizer_kernel
+        from ballast.training.models import keeping_optimizer_kernel
 
         with keeping_optimizer_kernel(self.optimizer):
             if self.sharded:

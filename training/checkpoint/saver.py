@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint.commit import Writer, prune
-from training.checkpoint.fileio import staging_buffer
-from training.failure import CheckpointFailure, TrainingFailure, classify
-from training.forkgate import GATE
+from ballast.training.checkpoint.commit import Writer, prune
+from ballast.training.checkpoint.fileio import staging_buffer
+from ballast.training.failure import CheckpointFailure, TrainingFailure, classify
+from ballast.training.forkgate import GATE
 
 
 class AsyncSaver:

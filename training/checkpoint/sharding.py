@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint.fileio import load_tensors
-from training.failure import CheckpointFailure
+from ballast.training.checkpoint.fileio import load_tensors
+from ballast.training.failure import CheckpointFailure
 
 
 def _state_bytes(entry: Any) -> int:

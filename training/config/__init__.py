@@ -16,7 +16,7 @@ __all__ = ["RUN_CONFIG_VERSION", "RunConfig"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from training.config import run
+        from ballast.training.config import run
 
         return getattr(run, name)
-    raise AttributeError(f"module 'training.config' has no attribute {name!r}")
+    raise AttributeError(f"module 'ballast.training.config' has no attribute {name!r}")

@@ -12,15 +12,15 @@ from typing import Any, Literal, Mapping
 
 from pydantic import ValidationError
 
-from training.config.messages import describe, one_line
+from ballast.training.config.messages import describe, one_line
 from pydantic import Field
 
-from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
+from ballast.training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
                                       EarlyStopSettings, ExecutionSettings, LoaderSettings, MAX_SECONDS,
                                       ModelSettings, MonitorSettings, NumClasses, NumericsSettings,
                                       OptimSettings, RecoverySettings, RehearsalSettings, ResourceSettings,
                                       RunSettings, Section, Shape)
-from training.failure import ConfigFailure
+from ballast.training.failure import ConfigFailure
 
 RUN_CONFIG_VERSION = 1
 

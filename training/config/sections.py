@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from training.config import docstrings
-from training.models import MODEL_NAMES, OPTIMIZER_NAMES
+from ballast.training.config import docstrings
+from ballast.training.models import MODEL_NAMES, OPTIMIZER_NAMES
 
 PositiveInt = Annotated[int, Field(ge=1, le=2**40)]
 NumClasses = Annotated[int, Field(ge=2, le=100_000)]

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from training.failure import DataFailure
+from ballast.training.failure import DataFailure
 
 FORMAT_VERSION = 3
 """3: TFRecord numeric features hold raw tensor bytes with <name>/shape and <name>/dtype (2: a .npy file)."""

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from training.dataset.format import Block, blocks_of, read_manifest
-from training.dataset.order import SpanList, rank_spans, skip_samples
-from training.dataset.reader import Decoder, import_readers, read_block
-from training.failure import DataFailure
-from training.forkgate import GATE
+from ballast.training.dataset.format import Block, blocks_of, read_manifest
+from ballast.training.dataset.order import SpanList, rank_spans, skip_samples
+from ballast.training.dataset.reader import Decoder, import_readers, read_block
+from ballast.training.failure import DataFailure
+from ballast.training.forkgate import GATE
 
 
 class Spans(IterableDataset):
@@ -74,7 +74,7 @@ def _init_forked_worker(rank_pid: int, worker_id: int) -> None:
       on the loader's end-of-work message, or with the rank. The worker starts with both blocked
       (`_start`), so one sent before this point waits, and is discarded by SIG_IGN here.
     """
-    from training.parentdeath import die_with_parent
+    from ballast.training.parentdeath import die_with_parent
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -132,7 +132,7 @@ class EpochLoader:
         workers = min(self.workers, len(spans))
         # Its own generator: creating the loader must not draw from torch's global RNG, or a run resumed
         # mid-epoch (loader created at the resume point) would see other dropout masks than the original.
-        # Workers forked from this rank (Linux's default, stated because python -m training.launch starts
+        # Workers forked from this rank (Linux's default, stated because python -m ballast.training.launch starts
         # ranks from a forkserver, whose context they would otherwise inherit): forked, they start with
         # the readers imported, and as the rank's own children they notice when it dies and exit. Started
         # by the forkserver, they outlived a killed rank and held torchrun's output open. A forked worker

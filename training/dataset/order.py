@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from training.dataset.format import Block
+from ballast.training.dataset.format import Block
 
 SpanList = list[tuple[int, np.ndarray]]
 """(block index, row indices within the block) pairs, in reading order."""

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from training.dataset.format import (Block, FeatureLayout, blocks_of, decode_images, decode_tensors, npy_header,
+from ballast.training.dataset.format import (Block, FeatureLayout, blocks_of, decode_images, decode_tensors, npy_header,
                                      read_manifest, tfrecord_description)
-from training.failure import DataFailure
+from ballast.training.failure import DataFailure
 
 
 @dataclass

@@ -205,7 +205,7 @@ def indexed_job(spec: Spec, launch: Launch):
     a retry cannot fix fails the Job at once."""
     from kubernetes.client import models as k8s
 
-    from training.failure import EXIT_CODES
+    from ballast.training.failure import EXIT_CODES
 
     template = pod(spec, launch, nodes=launch.nodes)
     fatal = sorted(EXIT_CODES[c] for c in EXIT_CODES if spec.recovery.of(c).retries == 0)

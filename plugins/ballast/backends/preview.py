@@ -24,7 +24,7 @@ PREVIEW_RUN = "manual__preview"
 
 def earlier_tries(after: list[str]) -> list[Attempt]:
     """Failed tries from `CLASS[@HOST]` words, oldest first."""
-    from training.failure import FAILURE_CLASSES
+    from ballast.training.failure import FAILURE_CLASSES
 
     tries = []
     for i, word in enumerate(after, start=1):

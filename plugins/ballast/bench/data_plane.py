@@ -215,7 +215,7 @@ def _per_sample_rate(sample_dir: Path, labels, decoder, workers: int, batch: int
 
 
 def _packed_rate(cache: Path, fmt: str, workers: int, batch: int) -> float:
-    from training.dataset.loader import EpochLoader
+    from ballast.training.dataset.loader import EpochLoader
 
     _evict([p for p in cache.rglob("*") if p.is_file() and f"/{fmt}/" in p.as_posix()])
     loader = EpochLoader(cache, fmt=fmt, rank=0, world=1, seed=0, workers=workers)
@@ -233,7 +233,7 @@ def bench_read(*, samples: int = 20_000, repeat: int = 3, workers: int = 2, batc
 
     from ballast.packing import layout, plan_chunks
     from ballast.stages.convert import convert_arrow, finish
-    from training.dataset.reader import Decoder
+    from ballast.training.dataset.reader import Decoder
 
     with tempfile.TemporaryDirectory(prefix="ballast-bench-read-") as tmp:
         root = Path(tmp)

@@ -188,7 +188,7 @@ def _train_wall(report: dict) -> float:
 
 
 def _weights(report: dict):
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     return ckpt.load_tensors(Path(report["stages"]["train"]["last_checkpoint"]) / "model.pt")
 

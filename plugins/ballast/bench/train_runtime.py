@@ -67,9 +67,9 @@ def _config(spec, cache: WarmCacheResult, run_dir: Path, changes: dict[str, Any]
     return path
 
 
-def _torchrun(config: Path, *, module: str = "training", nproc: int = 2, extra: tuple[str, ...] = (),
+def _torchrun(config: Path, *, module: str = "ballast.training", nproc: int = 2, extra: tuple[str, ...] = (),
               timeout: float = 1800, preload: bool = False) -> subprocess.CompletedProcess:
-    launcher = "training.launch" if module == "training" and preload else "torch.distributed.run"
+    launcher = "ballast.training.launch" if module == "ballast.training" and preload else "torch.distributed.run"
     argv = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}",
             "--monitor-interval=0.1", *extra, "--module", module, "--config", str(config)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
@@ -102,7 +102,7 @@ def bench_overhead(*, repeat: int = 5, epochs: int = 6) -> dict:
                     _torchrun(_config(spec, cache, run, {"execution.metrics_port": _free_port_block(2)}))
                     ours.append(json.loads((run / "out" / "summary.json").read_text())["samples_per_second"])
                 else:
-                    _torchrun(_config(spec, cache, run), module="training.baseline")
+                    _torchrun(_config(spec, cache, run), module="ballast.training.baseline")
                     plain.append(json.loads((run / "out" / "baseline.json").read_text())["samples_per_second"])
     ratios = [a / b for a, b in zip(ours, plain)]
     ratio = statistics.median(ratios)
@@ -209,7 +209,7 @@ def bench_recovery(*, trials: int = 5) -> dict:
         "extra_failed_attempts_seen": restarts,
         "median": med, "min": min(seconds), "max": max(seconds),
         "stdev": statistics.stdev(seconds) if len(seconds) > 1 else 0.0,
-        "note": "SIGKILL of rank 1; torchrun's agent (python -m training.launch: workers forked from a process "
+        "note": "SIGKILL of rank 1; torchrun's agent (python -m ballast.training.launch: workers forked from a process "
                 "that preloaded torch) with --monitor-interval=0.1 restarts the group; time to the first "
                 "completed step after resuming from the latest committed checkpoint",
         "targets": {"median_seconds_kill_to_next_step": target(round(med, 3), 5.0)},

@@ -76,7 +76,7 @@ def _heartbeat(out_dir: Path) -> tuple[int, float] | None:
 
 
 def _commits(ckpt_dir: Path, since: float) -> list[tuple[int, float]]:
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     out = []
     for path in ckpt.committed(ckpt_dir):
@@ -181,7 +181,7 @@ def close_unfinished(history: AttemptHistory, out_dir: Path, ckpt_dir: Path, *, 
                      ) -> tuple[AttemptHistory, Attempt | None]:
     """An earlier try still `running` ended without recording itself (its task process was killed):
     complete its record from its failure record, heartbeat and checkpoints."""
-    from training.failure import read_record
+    from ballast.training.failure import read_record
 
     open_ = [a for a in history.attempts if a.outcome == "running"]
     if not open_:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from training.config.sections import MAX_SECONDS, DataFormat, Section
+from ballast.training.config.sections import MAX_SECONDS, DataFormat, Section
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from training.config.sections import NumClasses, Section, Seed, Shape
+from ballast.training.config.sections import NumClasses, Section, Seed, Shape
 
 FieldType = Literal["float32", "float64", "int32", "int64", "uint8", "bool", "string"]
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from training.config.sections import Section
+from ballast.training.config.sections import Section
 
 
 class ScheduleSpec(Section):

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from training.config.sections import ExecutionSettings, Section
+from ballast.training.config.sections import ExecutionSettings, Section
 
 Pool = Literal["spot", "on-demand"]
 """Capacity pools a backend can be asked for: `spot` (preemptible) and `on-demand`."""

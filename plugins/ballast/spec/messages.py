@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ballast.errors import SpecError
-from training.config.messages import describe, one_line
+from ballast.training.config.messages import describe, one_line
 
 MAX_PROBLEMS = 20
 """Problems reported per spec; the rest are counted (a 50,000-item list of wrong types is 50,000 errors)."""

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from training.config.sections import Section
+from ballast.training.config.sections import Section
 
 CONN_ID = r"[A-Za-z0-9_.\-]{1,250}"
 EMAIL = r"[^@\s,;<>]+@[^@\s,;<>]+\.[^@\s,;<>]+"

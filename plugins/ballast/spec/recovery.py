@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from training.config.sections import RecoverySettings, Section
-from training.failure import FAILURE_CLASSES
+from ballast.training.config.sections import RecoverySettings, Section
+from ballast.training.failure import FAILURE_CLASSES
 
 FailureClass = Literal[FAILURE_CLASSES]  # type: ignore[valid-type]
 """What the orchestrator concludes a try died of (training.failure_patterns classifies it)."""

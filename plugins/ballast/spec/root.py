@@ -15,7 +15,7 @@ from ballast.spec.overrides import resolve_field
 from ballast.spec.recovery import RecoverySpec
 from ballast.spec.training import EvaluationSpec, TrainingSpec
 from ballast.spec.validation import ValidationSpec
-from training.config.sections import Section
+from ballast.training.config.sections import Section
 
 SPEC_VERSION = 1
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
+from ballast.training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
                                       EarlyStopSettings, LoaderSettings, ModelSettings, MonitorSettings,
                                       NumericsSettings, OptimSettings, RehearsalSettings,
                                       ResourceSettings, RunSettings, Section)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from training.config.sections import Section
+from ballast.training.config.sections import Section
 
 RuleKind = Literal["not_null", "between", "in_set", "row_count", "unique", "finite", "shape", "balance"]
 

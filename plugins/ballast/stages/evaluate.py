@@ -21,7 +21,7 @@ def _baseline(ctx: RunContext, test) -> tuple[HeldOutScores | None, str | None]:
     import torch
 
     from ballast import registry
-    from training.metrics import classification_sums
+    from ballast.training.metrics import classification_sums
 
     published = registry.latest(ctx)
     if published is None:
@@ -40,9 +40,9 @@ def _baseline(ctx: RunContext, test) -> tuple[HeldOutScores | None, str | None]:
 def run(ctx: RunContext) -> EvaluateResult:
     import torch
 
-    from training import checkpoint as ckpt
-    from training.dataset.reader import load_split
-    from training.metrics import classification_sums, per_class_accuracy, reaches
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.dataset.reader import load_split
+    from ballast.training.metrics import classification_sums, per_class_accuracy, reaches
 
     spec = ctx.spec
     ev = spec.evaluation

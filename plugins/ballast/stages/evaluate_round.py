@@ -17,7 +17,7 @@ from ballast.records import RoundResult
 
 
 def run(ctx: RunContext) -> RoundResult:
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     spec, ev = ctx.spec, ctx.spec.evaluation
     k, rounds = ctx.round or 1, spec.training.rounds

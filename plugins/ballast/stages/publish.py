@@ -26,7 +26,7 @@ def run(ctx: RunContext) -> PublishResult:
     version = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + safe_run_id(ctx.run_id)[-12:]
     prefix = f"models/{spec.name}/{version}"
     best = Path(ev.checkpoint)
-    from training import checkpoint as ckpt  # no torch: the checkpoint package imports it lazily
+    from ballast.training import checkpoint as ckpt  # no torch: the checkpoint package imports it lazily
 
     recorded = ckpt.recorded_model(best)
     test = ev.scores()
@@ -85,7 +85,7 @@ def run(ctx: RunContext) -> PublishResult:
 
 def _beats_published(ctx: RunContext, ev) -> tuple[bool, str | None]:
     """(publish?, why) under evaluation.publish; `always` publishes without a reason."""
-    from training.metrics import improved
+    from ballast.training.metrics import improved
 
     spec_ev = ctx.spec.evaluation
     if spec_ev.publish != "if_better" or ev.baseline is None:

@@ -121,12 +121,12 @@ def _gate_checkpoints(ctx: RunContext, cache, ckpt_dir: Path) -> Path | None:
     """The checkpoint this try resumes from: the newest that passes the verification gate, a forward
     pass included; newer ones that fail are quarantined (the trainer's ranks only skip). In round k > 1
     the step must not go back behind what round k - 1 verified."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     if not ckpt.committed(ckpt_dir):
         return None
     from ballast.stages.verify_checkpoint import held_out_probe
-    from training.checkpoint import gate
+    from ballast.training.checkpoint import gate
 
     floor = None
     if (ctx.round or 1) > 1:
@@ -183,8 +183,8 @@ def rehearsal_faults(ctx: RunContext, planned_steps: int) -> tuple:
 def _warm_start(ctx: RunContext, ckpt_dir: Path) -> str | None:
     """With evaluation.warm_start, the last published model's weights (when there is no checkpoint to
     resume: a resume always wins); its model must be the one this spec trains."""
-    from training import checkpoint as ckpt
-    from training.config.run import ModelConfig
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.config.run import ModelConfig
 
     if not ctx.spec.evaluation.warm_start or ckpt.committed(ckpt_dir) or (ctx.round or 1) > 1:
         return None
@@ -220,7 +220,7 @@ def run_config_model(ctx: RunContext) -> dict:
 
 
 def _archive_failure_record(out_dir: Path) -> None:
-    from training.failure import RECORD_NAME, read_record
+    from ballast.training.failure import RECORD_NAME, read_record
 
     prev = read_record(out_dir)
     if prev is not None:  # the earlier try's records, kept beside the next one's
@@ -242,7 +242,7 @@ def _run_config(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: in
 
 def _identity(ctx: RunContext):
     """Who this try trains for (its metrics' labels), and its task's failed tries before it by class."""
-    from training.config.run import RunIdentity
+    from ballast.training.config.run import RunIdentity
 
     failed: dict[str, int] = {}
     for a in history.load(ctx, ctx.task_id or "train").attempts:
@@ -252,7 +252,7 @@ def _identity(ctx: RunContext):
 
 
 def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adapt.TrySettings) -> TrainResult:
-    from training.failure import read_record
+    from ballast.training.failure import read_record
 
     spec = ctx.spec
     micro = settings.micro_batch_size
@@ -356,7 +356,7 @@ TAIL_LINES = 200  # torchrun's last lines, read for known error messages when a 
 def failure(spec, rc: int, record: dict | None, log_tail: str, *, hung: bool, cancelled: bool) -> BaseException:
     """The error a failed try ends with: its class from the failure record, torchrun's exit and the
     log's last lines, through the one table of known messages (training.failure_patterns)."""
-    from training.failure_patterns import CANCELLED, classify_exit
+    from ballast.training.failure_patterns import CANCELLED, classify_exit
 
     outcome = classify_exit(rc, record=record, log_tail=log_tail, hung=hung, cancelled=cancelled)
     if outcome.failure_class == CANCELLED:

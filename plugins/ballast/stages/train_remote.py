@@ -25,7 +25,7 @@ TAIL_LINES = 200
 def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: TrySettings) -> TrainResult:
     from ballast import checkpoint_sync
     from ballast.stages.train import failure, result
-    from training.failure import read_record
+    from ballast.training.failure import read_record
 
     spec = ctx.spec
     shared = ctx.storage.local_path(ctx.run_key) is not None

@@ -26,7 +26,7 @@ def rules_for(ctx: RunContext) -> list[dict]:
     for suite in spec.validation.suites:
         from pydantic import ValidationError
 
-        import data_checks
+        from ballast import data_checks
 
         try:
             path, data = data_checks.load_suite(suite)
@@ -52,7 +52,7 @@ def rules_for(ctx: RunContext) -> list[dict]:
 
 
 def run(ctx: RunContext) -> ValidateResult:
-    import data_checks
+    from ballast import data_checks
 
     t0 = time.monotonic()
     v = ctx.spec.validation

@@ -27,9 +27,9 @@ def load_model(path: Path) -> tuple[Any, dict[str, Any]]:
     translates it (class data, no retry)."""
     from pydantic import ValidationError
 
-    from training import checkpoint as ckpt
-    from training.config.run import ModelConfig
-    from training.models import build_configured_model
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.config.run import ModelConfig
+    from ballast.training.models import build_configured_model
 
     recorded = ckpt.recorded_model(path)
     try:
@@ -58,8 +58,8 @@ def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
     cluster try's nodes warm the later phases in their own caches, the worker holds the first): its loss."""
     import torch
 
-    from training.dataset.format import blocks_of, read_manifest
-    from training.dataset.reader import Decoder, read_block
+    from ballast.training.dataset.format import blocks_of, read_manifest
+    from ballast.training.dataset.reader import Decoder, read_block
 
     data_dir = Path(cache_dir)
     manifest = read_manifest(data_dir)
@@ -81,7 +81,7 @@ def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
 
 def describe(path: Path) -> CheckedCheckpoint:
     """The record of a checkpoint that passed the gate."""
-    from training import checkpoint as ckpt
+    from ballast.training import checkpoint as ckpt
 
     state = ckpt.read_trainer_state(path)
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
@@ -92,8 +92,8 @@ def describe(path: Path) -> CheckedCheckpoint:
 def gated(path: Path, probe, ckpt_dir: Path, log) -> tuple[Path, list[str]]:
     """`path` if it passes the gate; else it is quarantined and the newest checkpoint that passes is
     returned in its place (those failing on the way are quarantined too)."""
-    from training import checkpoint as ckpt
-    from training.checkpoint import gate
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.checkpoint import gate
 
     try:
         gate.check(path, probe=probe)

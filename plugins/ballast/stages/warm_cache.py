@@ -41,8 +41,8 @@ _BLOCK = 1 << 20
 
 def plan_phases(manifest: dict, fmt: str, fractions: list[float], *, world: int, seed: int) -> list[list[dict]]:
     """The manifest's files of one format, cut into cumulative warm-up phases in training's read order."""
-    from training.dataset.format import blocks_of
-    from training.dataset.order import rank_spans
+    from ballast.training.dataset.format import blocks_of
+    from ballast.training.dataset.order import rank_spans
 
     files = [f for f in manifest["files"] if f["format"] == fmt]
     by_path = {f["path"]: f for f in files}
