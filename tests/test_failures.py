@@ -12,7 +12,7 @@ from ballast import errors
 from ballast.context import RunContext
 from ballast.records import CheckedCheckpoint, TrainResult, VerifyResult, WarmCacheResult
 from ballast.runner import run_stage
-from ballast.spec import parse_spec
+from ballast.spec import RecoverySpec, parse_spec
 from ballast.stages import convert, evaluate, validate, verify_checkpoint, warm_cache
 from helpers import example_data
 
@@ -147,7 +147,7 @@ def test_training_failures_are_translated_once_by_class(failure, error, retried)
     exc = getattr(tf, failure)("run.json: something\n  on a second line")
     out = errors.from_training(exc)
     assert type(out).__name__ == error and str(out) == "run.json: something on a second line"
-    assert errors.retry_helps(out) is retried
+    assert errors.retry_helps(out, RecoverySpec()) is retried
     if isinstance(out, errors.LaunchError):
         assert out.failure_class == exc.failure_class
 
@@ -156,7 +156,7 @@ def test_training_failures_are_translated_once_by_class(failure, error, retried)
 @pytest.mark.parametrize("cls,retried", [("user_code", False), ("oom", True), ("communication", True),
                                          ("hang", True), ("unknown", True)])
 def test_launch_failures_are_retried_by_class(cls, retried):
-    assert errors.retry_helps(errors.training_error("training failed", cls)) is retried
+    assert errors.retry_helps(errors.training_error("training failed", cls), RecoverySpec()) is retried
 
 
 @pytest.mark.unit

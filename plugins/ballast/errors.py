@@ -95,14 +95,10 @@ def failure_class(exc: BaseException) -> str:
     return "unknown"
 
 
-def retry_helps(exc: BaseException, recovery=None) -> bool:
-    """Whether a new try may get past `exc` under `recovery` (a RecoverySpec; default the defaults):
-    its class has a retry budget. A model below the publish threshold never does: a retry trains
-    nothing new."""
+def retry_helps(exc: BaseException, recovery) -> bool:
+    """Whether a new try may get past `exc` under `recovery` (the spec's RecoverySpec; the caller
+    passes it, so this module imports no spec): its class has a retry budget. A model below the
+    publish threshold never does: a retry trains nothing new."""
     if isinstance(exc, (QualityGateError, Cancelled)):
         return False
-    if recovery is None:
-        from ballast.spec.recovery import RecoverySpec  # not at import: the spec package imports this one
-
-        recovery = RecoverySpec()
     return recovery.of(failure_class(exc)).retries > 0

@@ -19,7 +19,8 @@ from ballast.context import RunContext
 from ballast.errors import BallastError, SpecError, from_training, retry_helps
 from ballast.plan import STAGE_MODULES, STAGES
 from ballast.records import AppliedParameter, EffectiveSpec
-from ballast.spec import apply_overrides, check_parameter_names, get_path, parameter_paths, parse_spec
+from ballast.spec import (RecoverySpec, apply_overrides, check_parameter_names, get_path, parameter_paths,
+                          parse_spec)
 from ballast.training.failure import TrainingFailure
 
 log = logging.getLogger("ballast")
@@ -91,7 +92,7 @@ def run_stage(stage: str, *, spec_data: dict, spec_file: str, context: dict[str,
         return record.model_dump(mode="json")  # XCom: the record's JSON form
     except BallastError as exc:
         log.error("%s failed: %s", stage, exc)
-        if not retry_helps(exc, spec.recovery if spec is not None else None):
+        if not retry_helps(exc, spec.recovery if spec is not None else RecoverySpec()):
             from airflow.sdk.exceptions import AirflowFailException
 
             raise AirflowFailException(f"{stage}: {exc}") from None
