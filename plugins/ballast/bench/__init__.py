@@ -1,4 +1,8 @@
-"""Benchmarks: `ballast bench NAME --json OUT`. Each returns a dict with a `targets` map."""
+"""Benchmarks: `ballast bench NAME --json OUT`. Each returns a dict with a `targets` map.
+
+`run_benchmark` imports the benchmark's module when it is asked for; what the modules share is in
+`ballast.bench.measure`.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +31,3 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return getattr(data_plane, f"bench_{name}")(**{k: v for k, v in size.items() if v is not None})
     raise ValueError(f"unknown benchmark {name!r}")
 
-
-def target(value: float, limit: float, *, lower_is_better: bool = True) -> dict[str, Any]:
-    met = value <= limit if lower_is_better else value >= limit
-    return {"value": value, "target": f"{'<=' if lower_is_better else '>='} {limit}", "met": bool(met)}

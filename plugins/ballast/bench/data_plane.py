@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ballast.bench import target
+from ballast.bench.measure import RssSampler, target
 
 _EXAMPLE = Path(__file__).resolve().parents[3] / "dags" / "specs" / "digits.yaml"
 
@@ -64,7 +64,7 @@ def _child(kind: str, raw: str, out: str, formats: str) -> dict:
                  row_group_rows=1000, engine="spark" if kind == "spark" else "arrow", spark_master="local[2]")
     staging = Path(out) / "staging"
     staging.mkdir(parents=True)
-    sampler = _RssSampler()
+    sampler = RssSampler()
     if kind == "limit":
         table = pq.read_table(files) if len(files) > 1 else pq.read_table(files[0])
         t0 = time.perf_counter()
@@ -88,35 +88,6 @@ def _child(kind: str, raw: str, out: str, formats: str) -> dict:
     working = sampler.stop()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"rows": rows, "seconds": seconds, "peak_rss_mb": peak_kib / 1024, "working_set_mb": working}
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class _RssSampler:
-    """Largest RSS growth over the RSS at start, sampled every 5 ms (the imports are not counted)."""
-
-    def __init__(self):
-        import threading
-
-        self.base = self.peak = _rss_mb()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss_mb())
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, _rss_mb()) - self.base
 
 
 def _run_child(kind: str, raw: Path, out: Path, formats: str = "petastorm") -> dict:

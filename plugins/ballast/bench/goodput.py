@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ballast.bench import target
+from ballast.bench.measure import target
 from ballast.recovery.history import events
 
 PER_EPOCH_STEPS = 21  # digits: 1,364 training rows / global batch 64

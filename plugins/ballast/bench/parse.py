@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ballast.bench import target
+from ballast.bench.measure import target
 
 HEAVY = ("torch", "great_expectations", "petastorm", "pyspark", "boto3", "kubernetes")
 

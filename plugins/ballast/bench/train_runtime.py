@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ballast.bench import target
+from ballast.bench.measure import target
 from ballast.records import WarmCacheResult
 
 
