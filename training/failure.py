@@ -18,9 +18,9 @@ worker fails, so the orchestrator reads the record, not torchrun's exit status.
 | unknown       | -    | yes          | no record and nothing known in the log         |
 
 `unknown` has no exit code and is not in RETRYABLE: no trainer exits with it; it is what the
-orchestrator concludes when nothing else matches (`training.failure_patterns.classify_exit`), and
-retries. Both sides read exception texts and log lines through one pattern table,
-`training.failure_patterns`.
+orchestrator concludes when nothing else matches (`training.failure_patterns.classify_exit`, the one
+place that decides a try's class), and retries. Both sides read exception texts and log lines through one
+pattern table, `training.failure_patterns`; the classes and codes themselves are `training.failure_classes`.
 """
 
 from __future__ import annotations
@@ -32,20 +32,9 @@ import time
 import traceback
 from pathlib import Path
 
-EXIT_CODES: dict[str, int] = {
-    "config": 64,
-    "data": 65,
-    "user_code": 70,
-    "divergence": 71,
-    "communication": 72,
-    "oom": 73,
-    "hardware": 74,
-    "preempted": 75,
-    "hang": 76,
-}
-# The one list of failure classes: the trainer's (EXIT_CODES) and the orchestrator's `unknown`.
-FAILURE_CLASSES: tuple[str, ...] = ("oom", "preempted", "hang", "communication", "hardware", "data", "divergence",
-                                    "config", "user_code", "unknown")
+from ballast.training.failure_classes import EXIT_CODES, FAILURE_CLASSES  # noqa: F401 (re-exported)
+from ballast.training.failure_patterns import classify_text
+
 RETRYABLE = frozenset({"divergence", "communication", "oom", "hardware", "preempted", "hang"})
 RECORD_NAME = "failure.json"
 
@@ -106,8 +95,6 @@ def classify(exc: BaseException) -> str:
         return exc.failure_class
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return "oom"
-    from ballast.training.failure_patterns import classify_text  # imported here: that module imports this one
-
     match = classify_text(f"{type(exc).__name__}: {exc}")
     return match.failure_class if match else "user_code"
 

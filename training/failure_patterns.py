@@ -29,10 +29,7 @@ import re
 import signal
 from dataclasses import dataclass, field
 
-from ballast.training.failure import EXIT_CODES, FAILURE_CLASSES
-
-CANCELLED = "cancelled"
-"""Not a failure class: the orchestrator stopped the process itself (task cancelled, run marked failed)."""
+from ballast.training.failure_classes import CANCELLED, EXIT_CODES, FAILURE_CLASSES
 
 OVERRIDE_RECORD = frozenset({"hardware", "communication", "oom"})
 """Classes that replace a record's user_code or unknown when the record's own exception text matches
@@ -71,6 +68,7 @@ class Outcome:
     failure_class: str  # one of FAILURE_CLASSES, or CANCELLED
     reason: str  # one line: why
     line: str = ""  # the log line that decided it, if one did
+    by: str = ""  # what decided it: cancelled, platform, record, hang, backend, log or exit
 
 
 _XID = r"NVRM: Xid \([^)]*\): "  # "NVRM: Xid (PCI:0000:3b:00): 79, pid=..." as the driver writes to the kernel log
@@ -151,6 +149,9 @@ del P
 _LABELS = {"cuda": "CUDA", "nccl": "NCCL", "xid": "NVIDIA driver", "slurm": "Slurm", "kubernetes": "Kubernetes"}
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun: "failed (exitcode: -9) local_rank: 0 ..."
 _WORKER_SIGNALLED = re.compile(r"exitcode\s*:\s*(-\d+)\)?\s*local_rank\s*:\s*(\d+)")
+PLATFORM_OVER_RECORD = frozenset({"oom", "hardware", "preempted"})
+"""Platform endings that replace a failure record's class: the node's memory, the node itself or the
+scheduler ended the try, and the ranks' records are what they saw of it."""
 SECONDARY = frozenset({"communication", "hang"})
 """Record classes that are often only what the other ranks see when one rank is killed outright."""
 
@@ -191,13 +192,25 @@ def _signal_name(code: int) -> str | None:
 
 
 def classify_exit(returncode: int | None, *, record: dict | None, log_tail: str = "", oom_killed: bool = False,
-                  hung: bool = False, cancelled: bool = False) -> Outcome:
-    """What a training process (torchrun and its workers) died of, from its exit status, its failure
-    record (`failure.json`), the tail of its log and what the backend reports: `oom_killed` (cgroup
-    memory.events oom_kill grew, Kubernetes OOMKilled, Slurm OUT_OF_MEMORY), `hung` (the orchestrator's
-    heartbeat watch ended it), `cancelled` (the orchestrator stopped it: CANCELLED, not a failure)."""
+                  hung: bool = False, cancelled: bool = False, platform_class: str | None = None,
+                  platform_reason: str = "") -> Outcome:
+    """What a training try (torchrun and its workers, or a cluster job) died of: the one place that
+    decides it. Its inputs: the exit status, the failure record (`failure.json`), the tail of the log,
+    and what the backend reports: `platform_class`/`platform_reason` (a cluster's ending: Kubernetes'
+    OOMKilled or eviction, Slurm's PREEMPTED or NODE_FAIL, in `ballast.backends.k8s_status` /
+    `slurm_status` words), `oom_killed` (cgroup memory.events oom_kill grew), `hung` (the orchestrator's
+    heartbeat watch ended it), `cancelled` (the orchestrator stopped it: CANCELLED, not a failure).
+
+    Precedence, first that applies: cancelled; the platform's ending (unless the hang guard ended the
+    try, and over a record only for PLATFORM_OVER_RECORD); the failure record (a signal-killed peer
+    before a SECONDARY record, a matching hardware or OOM text before user_code); the hang guard; the
+    backend's OOM kill; a known line in the log; the exit status. Tested as a table in
+    tests/test_classify.py and tests/test_failure_patterns.py."""
     if cancelled:
-        return Outcome(CANCELLED, "cancelled: the orchestrator stopped it (not a failure)")
+        return Outcome(CANCELLED, "cancelled: the orchestrator stopped it (not a failure)", by="cancelled")
+    if platform_class is not None and not hung and (record is None or platform_class in PLATFORM_OVER_RECORD):
+        cls = platform_class if platform_class in FAILURE_CLASSES else "unknown"
+        return Outcome(cls, f"the platform ended it: {platform_reason or platform_class}", by="platform")
     if record is not None:
         cls = record.get("class")
         where = (f" on rank {record['rank']}" if record.get("rank") is not None else "") + \
@@ -211,34 +224,36 @@ def classify_exit(returncode: int | None, *, record: dict | None, log_tail: str 
             sig = _signal_name(code)
             first = "preempted" if sig == "SIGTERM" else "unknown"
             return Outcome(first, f"rank {rank} ended by {sig or code} without a failure record; the {cls} failure"
-                                  f"{where} followed from it")
+                                  f"{where} followed from it", by="record")
         if cls in ("user_code", "unknown"):
             m, says = classify_text(str(record.get("exception") or "")), "its exception matches"
             if not (m and m.failure_class in OVERRIDE_RECORD):
                 m, says = classify_text(log_tail), "log line matches"
                 m = m if m and m.failure_class in OVERRIDE_FROM_LOG else None
             if m:
-                return Outcome(m.failure_class, f"failure record: class {cls}{where}, but {_says(m, says)}", m.line)
-        return Outcome(cls, f"failure record: class {cls}{where}")
+                return Outcome(m.failure_class, f"failure record: class {cls}{where}, but {_says(m, says)}", m.line,
+                               by="record")
+        return Outcome(cls, f"failure record: class {cls}{where}", by="record")
     if hung:
-        return Outcome("hang", "no progress within the hang timeout: the orchestrator ended it")
+        return Outcome("hang", "no progress within the hang timeout: the orchestrator ended it", by="hang")
     if oom_killed:
-        return Outcome("oom", "the backend reports the OOM killer ended it")
+        return Outcome("oom", "the backend reports the OOM killer ended it", by="backend")
     m = classify_text(log_tail)
     if m:
-        return Outcome(m.failure_class, _says(m), m.line)
+        return Outcome(m.failure_class, _says(m), m.line, by="log")
     code, via = returncode, ""
     if returncode == 1 and (w := _WORKER_EXIT.search(log_tail)):  # torchrun exits 1 whenever a worker fails
         code, via = int(w.group(1)), "torchrun reports a worker's "
     if code is None:
-        return Outcome("unknown", "no exit status and no failure record")
+        return Outcome("unknown", "no exit status and no failure record", by="exit")
     sig = _signal_name(code)
     if sig == "SIGKILL":
         return Outcome("unknown", f"{via}SIGKILL ({code}) with no failure record: the kernel OOM killer, or killed"
-                                  f" from outside")
+                                  f" from outside", by="exit")
     if sig == "SIGTERM":
-        return Outcome("preempted", f"{via}SIGTERM ({code}) with no failure record: preempted or drained from outside")
+        return Outcome("preempted", f"{via}SIGTERM ({code}) with no failure record: preempted or drained from outside",
+                       by="exit")
     if code in _BY_CODE:
-        return Outcome(_BY_CODE[code], f"{via}exit code {code} ({_BY_CODE[code]}) with no failure record")
+        return Outcome(_BY_CODE[code], f"{via}exit code {code} ({_BY_CODE[code]}) with no failure record", by="exit")
     what = f"{sig} ({code})" if sig else f"exit code {code}"
-    return Outcome("unknown", f"{via}{what} with no failure record and no known error in the log")
+    return Outcome("unknown", f"{via}{what} with no failure record and no known error in the log", by="exit")

@@ -3,8 +3,8 @@ job started and followed through `ballast.backends.remote`, its outcome read bac
 
 The nodes warm their own caches and train (`ballast.node`); their failure record and summary reach the
 task through storage (on a shared file system they are written where the task reads them). How the
-try ended is the platform's reason where it has one (OOMKilled, a preemption, a node failure), else the
-failure record and the log, through the same table as a local try (`train.failure`).
+try ended is decided as a local try's is, by `training.failure_patterns.classify_exit`, which also weighs
+the platform's reason where it has one (OOMKilled, a preemption, a node failure).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: 
     from ballast import checkpoint_sync
     from ballast.stages.train import failure, result
     from ballast.training.failure import read_record
+    from ballast.training.failure_patterns import classify_exit
 
     spec = ctx.spec
     shared = ctx.storage.local_path(ctx.run_key) is not None
@@ -63,18 +64,22 @@ def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: 
         return result(ctx, cfg, out_dir, ckpt_dir,
                       uploaded=[ctx.storage.describe(f"{ctx.run_key}/checkpoints/{n}") for n in pulled])
     record = read_record(out_dir)
-    if end.failure_class is not None and not hung and (record is None or end.failure_class in ("oom", "hardware",
-                                                                                                "preempted")):
+    rc, log_tail = end.exit_code if end.exit_code is not None else 1, "\n".join(tail)
+    # The one classification (training.failure_patterns.classify_exit) weighs the platform's ending
+    # against the record and the log; when the platform's word decides, the message names the job.
+    outcome = classify_exit(rc, record=record, log_tail=log_tail, hung=hung, platform_class=end.failure_class,
+                            platform_reason=end.reason)
+    if outcome.by == "platform":
         raise platform_failure(spec, end, launch.name)
-    err = failure(spec, end.exit_code if end.exit_code is not None else 1, record, "\n".join(tail), hung=hung,
-                  cancelled=False)
+    err = failure(spec, rc, record, log_tail, hung=hung, cancelled=False)
     if getattr(err, "host", None) is None:
         err.host = end.host  # the node the platform reports, for the avoid list
     raise err
 
 
 def platform_failure(spec, end: Ending, name: str) -> BaseException:
-    """A try the platform ended (its reason names the class): preempted, OOM-killed, a node lost."""
+    """The error of a try the platform ended (classify_exit decided by its reason): preempted, OOM-killed,
+    a node lost."""
     err = training_error(f"{spec.execution.backend} job {name} ended: {end.reason} (class {end.failure_class};"
                          f" exit code {end.exit_code}; node {end.host})", end.failure_class)
     err.exit_code, err.host, err.step = end.exit_code, end.host, None
