@@ -17,6 +17,7 @@ from ballast.context import RunContext
 from ballast.spec import parse_spec
 from helpers import example_data
 from ballast.training import checkpoint as ckpt
+from ballast.training.checkpoint import gate
 
 BACKENDS = [pytest.param("local", marks=pytest.mark.unit), pytest.param("s3", marks=pytest.mark.integration)]
 
@@ -157,7 +158,8 @@ def test_a_replace_interrupted_after_removing_the_marker_is_not_valid(tmp_path, 
         w.commit()
     monkeypatch.setattr(commit.shutil, "rmtree", shutil.rmtree)
     old = tmp_path / steps(10)[0]
-    assert not ckpt.is_committed(old) and ckpt.committed(tmp_path) == [] and ckpt.latest_valid(tmp_path) is None
+    assert not ckpt.is_committed(old) and ckpt.committed(tmp_path) == []
+    assert gate.latest_passing(tmp_path, quarantine_failures=False) is None
     with pytest.raises(ckpt.CheckpointFailure, match="no COMMITTED marker"):
         ckpt.verify(old)
 
@@ -173,7 +175,7 @@ def test_pruning_counts_only_checkpoints_that_verify(tmp_path):
     bad.write_bytes(bytes(bad.stat().st_size))
     ckpt.prune(tmp_path, keep_last=2)
     assert [p.name for p in ckpt.committed(tmp_path)] == steps(10, 20, 30)
-    assert ckpt.latest_valid(tmp_path, log=lambda _: None) == tmp_path / steps(20)[0]
+    assert gate.latest_passing(tmp_path, quarantine_failures=False, log=lambda _: None) == tmp_path / steps(20)[0]
     save(saver, 40)
     ckpt.prune(tmp_path, keep_last=2)
     assert [p.name for p in ckpt.committed(tmp_path)] == steps(20, 30, 40)

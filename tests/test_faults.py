@@ -17,6 +17,7 @@ import pytest
 from ballast.spec import parse_spec
 from helpers import config, example_data, free_port, metric_value, record, run_single, torchrun
 from ballast.training import checkpoint as ckpt
+from ballast.training.checkpoint import gate
 from ballast.training.failure import EXIT_CODES, host_name
 from ballast.training.monitor import SpikeDetector, grad_stats
 
@@ -37,7 +38,7 @@ def test_nan_checkpoints_last_good_state_and_next_try_skips_the_batch(tmp_path, 
     first = run_single(cfg)
     assert first.returncode == EXIT_CODES["divergence"], first.stderr[-2000:]
     assert record(tmp_path)["class"] == "divergence"
-    latest = ckpt.latest_valid(tmp_path / "ckpt")
+    latest = gate.latest_passing(tmp_path / "ckpt", quarantine_failures=False)
     state = ckpt.read_trainer_state(latest)
     assert state["reason"] == "anomaly" and state["step"] == 8 and state["skip"] == [[0, 8]]
     second = run_single(cfg)  # the retry: resumes and steps over the poisoned batch
@@ -72,7 +73,7 @@ def test_sigterm_commits_a_checkpoint_and_exits_preempted(tmp_path, digits_cache
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_CODES["preempted"], err[-2000:]
     rec = record(tmp_path)
-    latest = ckpt.latest_valid(tmp_path / "ckpt")
+    latest = gate.latest_passing(tmp_path / "ckpt", quarantine_failures=False)
     state = ckpt.read_trainer_state(latest)
     assert rec["class"] == "preempted" and state["reason"] == "preempted" and state["step"] >= 30
 
@@ -95,7 +96,7 @@ for step in (10, 20):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / ".step-00000020.tmp" / "model.pt").exists()
-    assert ckpt.latest_valid(tmp_path).name == "step-00000010"
+    assert gate.latest_passing(tmp_path, quarantine_failures=False).name == "step-00000010"
 
 
 @pytest.mark.integration

@@ -18,8 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from ballast.supervise import (CANCELLED, LEASE, LEASE_ENV, end_leftovers, group_members, read_cancel, read_lease,
-                               stop_running, supervise, was_cancelled)
+from ballast.backends import Launch
+from ballast.backends.driver import CANCELLED, read_cancel, stop_all, was_cancelled
+from ballast.backends.driver import run as run_try
+from ballast.backends.local import LocalBackend
+from ballast.supervise import LEASE, LEASE_ENV, end_leftovers, group_members, read_lease
 from helpers import config, free_port
 from ballast.training.parentdeath import proc_stat
 
@@ -75,6 +78,15 @@ def seconds_until_gone(pgid: int, token: str, timeout: float = 10.0) -> float:
     return time.monotonic() - t0
 
 
+def supervise(argv: list[str], out: Path, ctx, *, hang_timeout: float, try_number: int = 1,
+              abort=None) -> tuple[int, bool]:
+    """What the train stage does for a local try: the one driver runs it on the local backend. (rc, hung)."""
+    stop = (lambda: (error := abort()) and f"the cache warm-up failed ({error})") if abort is not None else None
+    end = run_try(LocalBackend(out, ctx.log), Launch(name="t", try_number=try_number, nodes=1, command=tuple(argv)),
+                  out, ctx.log, hang_timeout=hang_timeout, should_stop=stop)
+    return end.exit_code, end.hung
+
+
 def heartbeat_step(out: Path) -> int:
     try:
         return int((out / "heartbeat").read_text().split()[0])
@@ -85,15 +97,15 @@ def heartbeat_step(out: Path) -> int:
 TASK_RUNNER = r"""
 import logging, sys
 from pathlib import Path
-from ballast.supervise import supervise
+from ballast.backends import Launch
+from ballast.backends.driver import run
+from ballast.backends.local import LocalBackend
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-
-class Ctx:
-    log = logging.getLogger("task")
-
-rc, hung = supervise(sys.argv[2:], Path(sys.argv[1]), Ctx(), hang_timeout=600, try_number=1)
-print("supervise returned", rc, hung, flush=True)
+log, out = logging.getLogger("task"), Path(sys.argv[1])
+end = run(LocalBackend(out, log), Launch(name="t", try_number=1, nodes=1, command=tuple(sys.argv[2:])), out, log,
+          hang_timeout=600)
+print("the try ended", end, flush=True)
 """
 
 
@@ -216,13 +228,13 @@ def test_c_cancel_is_recorded_and_leaves_no_process(tmp_path, digits_cache):
         pgid, token = lease["pgid"], lease["token"]
         members = group_members(pgid, token)
         t0 = time.monotonic()
-        stop_running()  # what the operator's on_kill does
+        stop_all()  # what the operator's on_kill does
         took = time.monotonic() - t0
         left = group_members(pgid, token)
     finally:
-        stop_running()
+        stop_all()
         runner.join(timeout=30)
-    print(f"\n[orphans] cancel: {len(members)} processes gone {took:.2f}s after stop_running()")
+    print(f"\n[orphans] cancel: {len(members)} processes gone {took:.2f}s after stop_all()")
     assert not left and took < 2.0
     assert result == {"rc": -signal.SIGKILL, "hung": False}
     assert was_cancelled(out)
@@ -239,6 +251,7 @@ def test_e_group_sigterm_still_gives_a_preemption_checkpoint(tmp_path, digits_ca
     # group gets it. The forkserver and the loader workers must live through it (dying of it, they took
     # the ranks down by parent death, or had them fail with a DataLoader traceback) so the ranks commit.
     from ballast.training import checkpoint as ckpt
+    from ballast.training.checkpoint import gate
 
     out = tmp_path / "out"
     out.mkdir()
@@ -260,7 +273,8 @@ def test_e_group_sigterm_still_gives_a_preemption_checkpoint(tmp_path, digits_ca
     assert rc != 0 and not hung and took < 30, text[-3000:]
     record = json.loads((out / "failure.json").read_text())
     assert record["class"] == "preempted" and "checkpoint committed" in record["exception"], record
-    assert ckpt.read_trainer_state(ckpt.latest_valid(tmp_path / "ckpt"))["reason"] == "preempted"
+    latest = gate.latest_passing(tmp_path / "ckpt", quarantine_failures=False)
+    assert ckpt.read_trainer_state(latest)["reason"] == "preempted"
     around = text[max(0, text.find("Traceback") - 3000):][:5000]
     assert "Traceback" not in text and text.count("failed (preempted") == 2, around
     assert not was_cancelled(out) and not (out / LEASE).exists()
@@ -362,11 +376,9 @@ def test_the_local_backend_behind_the_cluster_backends_interface(tmp_path):
     import sys
     import threading
 
-    from ballast.backends import Launch
-    from ballast.backends.local import LocalBackend
-    from ballast.supervise import group_members, read_cancel, read_lease
+    from ballast.backends.driver import run, stop_all
 
-    backend = LocalBackend(tmp_path, logging.getLogger("test"), hang_timeout=600)
+    backend = LocalBackend(tmp_path, logging.getLogger("test"))
     code = "import os, signal; print('step', os.environ['X']); os.kill(os.getpid(), signal.SIGKILL)"
     handle = backend.start(Launch(name="t", try_number=3, nodes=1, command=(sys.executable, "-c", code),
                                   env={"X": "7"}))
@@ -380,13 +392,20 @@ def test_the_local_backend_behind_the_cluster_backends_interface(tmp_path):
 
     sleeper = (sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c',"
                " 'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)")
-    handle = backend.start(Launch(name="t", try_number=4, nodes=1, command=sleeper))
-    started = threading.Event()
-    threading.Thread(target=lambda: started.wait(30) and backend.stop(handle, reason="on_kill"), daemon=True).start()
-    end = backend.wait(handle, on_line=lambda line: started.set())
+    started, group = threading.Event(), {}
+    log = ListLog()
+    log.info = lambda msg, *args: started.set()  # the driver relays the try's lines to the task log
+
+    def on_kill():  # from another thread, as Airflow's on_kill
+        if started.wait(30):
+            group.update(read_lease(tmp_path))
+            stop_all("on_kill")
+
+    threading.Thread(target=on_kill, daemon=True).start()
+    end = run(backend, Launch(name="t", try_number=4, nodes=1, command=sleeper), tmp_path, log, hang_timeout=600)
     assert end.cancelled and not end.ok and end.reason == "cancelled (by Ballast)"
     assert read_cancel(tmp_path)["try_number"] == 4
-    assert not group_members(handle.pgid, handle.token)
+    assert group and not group_members(group["pgid"], group["token"])
 
     handle = backend.start(Launch(name="t", try_number=5, nodes=1, command=sleeper))
     end = backend.wait(handle, on_line=lambda line: None, should_stop=lambda: "the warm-up failed")

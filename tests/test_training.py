@@ -15,6 +15,7 @@ from ballast.stages import convert, validate, warm_cache
 from helpers import EXAMPLE_SPEC, example_data, make_ctx, run_chain, warm_cache_rest, write_raw
 
 from ballast.training import checkpoint as ckpt
+from ballast.training.checkpoint import gate
 from ballast.training.failure import EXIT_CODES
 
 
@@ -125,7 +126,7 @@ def test_uncommitted_checkpoint_is_invisible_to_resume(tmp_path):
     later = _fake_checkpoint(tmp_path, 20)
     (later / ckpt.COMMIT_MARKER).unlink()  # as if killed before the marker landed
     (tmp_path / ".step-00000030.tmp").mkdir()  # a save killed mid-write
-    assert ckpt.latest_valid(tmp_path) == good
+    assert gate.latest_passing(tmp_path, quarantine_failures=False) == good
     with pytest.raises(ckpt.CheckpointFailure, match=r"step-00000020: no COMMITTED marker"):
         ckpt.verify(later)
 
@@ -140,7 +141,7 @@ def test_tampered_or_truncated_checkpoint_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointFailure, match=r"model\.pt: sha256 does not match the manifest"):
         ckpt.verify(bad)
     skipped = []
-    assert ckpt.latest_valid(tmp_path, log=skipped.append) == good
+    assert gate.latest_passing(tmp_path, quarantine_failures=False, log=skipped.append) == good
     assert "sha256 does not match" in skipped[0]
     (good / "model.pt").write_bytes(b"")
     with pytest.raises(ckpt.CheckpointFailure, match=r"size 0 does not match the manifest .*truncated"):
@@ -375,7 +376,7 @@ def test_checkpoint_files_are_hashed_while_written(tmp_path):
         fh.write(b"extra")
     with pytest.raises(ckpt.CheckpointFailure, match="refusing to commit"):
         w.commit()
-    assert ckpt.latest_valid(tmp_path).name == final.name
+    assert gate.latest_passing(tmp_path, quarantine_failures=False).name == final.name
 
 
 @pytest.mark.unit

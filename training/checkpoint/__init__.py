@@ -3,18 +3,20 @@
 One module per responsibility, none of which imports torch at import time (the verification stage
 and `ballast.storage` import this package in the orchestrator):
 
-    commit    the layout, the commit protocol and the one validity predicate (`verify`, `latest_valid`),
+    commit    the layout, the commit protocol, the integrity check `verify` (marker and manifest),
               pruning and `uncommit` (a directory loses its marker before its files)
     fileio    the O_DIRECT writer that hashes while writing, `sha256_file`, the tensor-only loader
     sharding  the optimizer state in parts, one share per rank, merged at load
     saver     the background writer (`AsyncSaver`), at idle CPU priority where asked
     average   the mean of the last checkpoints' weights, and the export CLI (`python -m ballast.training.average`)
     snapshot  CPU copies of the state into buffers reused from save to save
-    gate      the verification gate (`check`), quarantine, the newest checkpoint that passes
+    gate      the validity predicate (`check`: may this checkpoint be resumed from or promoted),
+              quarantine, the newest checkpoint that passes (`latest_passing`)
     manager   what a training checkpoint holds: the trainer's `save(reason)` and `load()`
               (imported from `training.checkpoint.manager` by the trainer; not re-exported here)
 
-Callers use the package: `from training import checkpoint as ckpt; ckpt.verify(path)`.
+Callers use the package: `from ballast.training import checkpoint as ckpt; ckpt.verify(path)`; the gate
+is `from ballast.training.checkpoint import gate` (it imports torch when it checks).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from ballast.training.checkpoint.commit import (
     Writer,
     committed,
     is_committed,
-    latest_valid,
     prune,
     read_trainer_state,
     recorded_model,
@@ -44,7 +45,7 @@ from ballast.training.failure import CheckpointFailure
 
 __all__ = [
     "COMMIT_MARKER", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
-    "committed", "is_committed", "latest_valid", "load_optimizer", "load_tensors", "optimizer_part",
+    "committed", "is_committed", "load_optimizer", "load_tensors", "optimizer_part",
     "optimizer_shares", "prune", "read_trainer_state", "recorded_model", "sha256_file", "staging_buffer",
     "step_dir_name", "step_of_name", "uncommit", "verify",
 ]

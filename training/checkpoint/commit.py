@@ -1,4 +1,5 @@
-"""Committed checkpoints: the one predicate for "this checkpoint may be trusted".
+"""Committed checkpoints: the layout, the commit protocol, and the integrity check `verify` (the files
+are the ones a finished save committed).
 
 Layout of a checkpoint directory `step-00000040/`:
     model.pt               the model's weights (tensors only; loaded with weights_only=True), from rank 0
@@ -14,11 +15,12 @@ Layout of a checkpoint directory `step-00000040/`:
 
 A save writes into `.step-00000040.tmp/`, fsyncs every file, writes the manifest, renames the
 directory and then writes COMMITTED. A directory without COMMITTED, or whose files do not match its
-manifest, is invisible to `latest_valid` and refused by `verify`: a kill at any moment of a save
-leaves the previous checkpoint as the latest valid one. The resume path, the verification stage,
-pruning and the upload to object storage all decide validity through `verify`; nothing else does
-(`is_committed` only says which directories to ask). A checkpoint directory is removed or replaced
-marker first, so a kill while its files go leaves no marker over what remains.
+manifest, is refused by `verify`: a kill at any moment of a save leaves the previous checkpoint as the
+newest that verifies. `verify` says only that the bytes are the ones committed; whether a checkpoint
+may be resumed from or promoted is the verification gate's (`training.checkpoint.gate.check`, which
+runs `verify` first, then reads what the files hold). Pruning and the upload to object storage need
+no more than `verify`; `is_committed` only says which directories to ask. A checkpoint directory is
+removed or replaced marker first, so a kill while its files go leaves no marker over what remains.
 
 Importing this module does not import torch (the verification stage uses it at DAG-run time).
 """
@@ -108,17 +110,6 @@ def committed(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if is_committed(p)), key=_step_of)
-
-
-def latest_valid(root: Path, log: Callable[[str], Any] = print) -> Path | None:
-    """Newest checkpoint that is committed and verifies; damaged ones are reported and skipped."""
-    for path in reversed(committed(root)):
-        try:
-            verify(path)
-            return path
-        except CheckpointFailure as exc:
-            log(f"checkpoint skipped: {exc}")
-    return None
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

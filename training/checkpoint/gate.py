@@ -1,12 +1,14 @@
 """The verification gate: whether a checkpoint may be resumed from or promoted, and what happens to one
 that may not.
 
-`check` is the one predicate: the commit marker, the manifest's sizes and sha256 (`commit.verify`),
-the trainer state readable with a step equal to the directory's, every tensor file loadable without
-unpickling (`weights_only`), every floating-point tensor finite, the step not behind `min_step`, and,
-given a `probe`, a forward pass on a held-out batch with a finite loss. The trainer's resume path
-runs it without the probe (every rank reads the same files; the train stage has probed before the
-launch); the train stage before a launch and the verification stage before promotion run it with one.
+`check` is the one validity predicate: the commit marker, the manifest's sizes and sha256 (the
+integrity check `commit.verify`, which pruning and the upload to storage use alone: they judge no
+contents), the trainer state readable with a step equal to the directory's, every tensor file loadable
+without unpickling (`weights_only`), every floating-point tensor finite, the step not behind
+`min_step`, and, given a `probe`, a forward pass on a held-out batch with a finite loss. The trainer's
+resume path and a cluster node pulling a checkpoint run it without the probe (every rank reads the
+same files; the train stage has probed before the launch); the train stage before a launch and the
+verification stage before promotion run it with one.
 
 A checkpoint that fails moves to `<checkpoints>/quarantine/<name>/` with `QUARANTINED.json` (the
 reason, when, the step); the previous one that passes takes its place. Nothing is deleted.
