@@ -110,7 +110,8 @@ def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_traine
     mark the run failed from the REST API: the cancel is recorded and nothing of the try is left."""
     from ballast.localstack import LocalStack
     from ballast.recovery import history
-    from ballast.supervise import CANCELLED, group_members, read_lease
+    from ballast.backends.driver import CANCELLED
+    from ballast.supervise import group_members, read_lease
 
     spec = load_spec(EXAMPLE_SPEC)
     with LocalStack(_free_port(), log_dir=tmp_path / "logs") as stack:

@@ -171,7 +171,31 @@ def test_try_two_after_a_hang_avoids_the_host_and_after_an_oom_has_the_smaller_m
         {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-node-17"]}]}]
     oom = docs(spec, launch(spec, 2, after=["oom"]))[1]
     env = {e["name"]: e.get("value") for e in pod_spec(oom)["containers"][0]["env"]}
-    assert int(env["BALLAST_MICRO_BATCH_SIZE"]) < spec.training.micro_batch_size
+    assert not [name for name in env if "BATCH" in name]  # a setting travels once: in the run config
+
+
+@pytest.mark.unit
+def test_the_smaller_micro_batch_after_an_oom_reaches_the_node_in_the_run_config_alone(tmp_path, monkeypatch):
+    from ballast.launch_spec import run_config
+    from ballast.node import NodeJob, node_config
+
+    spec = k8s_spec(nodes=4)
+    settings, _ = adapt.next_settings(spec, earlier_tries(["oom"]))
+    cfg = run_config(spec, data_dir="/worker/cache", data_format="petastorm", checkpoint_dir="/worker/ckpt",
+                     output_dir="/worker/out", micro_batch_size=settings.micro_batch_size)
+    job = NodeJob.model_validate_json(NodeJob(
+        spec=spec.model_dump(mode="json"), dag_id=spec.dag_id, run_id="r", task_id="train", try_number=2,
+        name="t", run_config=cfg.model_dump(mode="json"), out_dir="/worker/out",
+        checkpoint_dir="/worker/ckpt").model_dump_json())  # as the node reads it from storage
+    monkeypatch.setenv("BALLAST_MICRO_BATCH_SIZE", str(spec.training.micro_batch_size))  # no longer read
+    node = node_config(job, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", data_dir="/node/cache",
+                       data_format="tfrecord")
+    assert node.batch.micro_batch_size == settings.micro_batch_size < spec.training.micro_batch_size
+    assert node.batch.grad_accum_steps == spec.training.grad_accum_for(settings.micro_batch_size) > 1
+    assert node.model_dump(exclude={"output_dir", "data", "checkpoint"}) \
+        == cfg.model_dump(exclude={"output_dir", "data", "checkpoint"})  # every other setting as written
+    assert (node.output_dir, node.data.directory, node.data.format, node.checkpoint.directory) \
+        == (str(tmp_path / "out"), "/node/cache", "tfrecord", str(tmp_path / "ckpt"))
 
 
 @pytest.mark.unit
@@ -456,7 +480,7 @@ def clock(monkeypatch):
 def test_a_stopped_try_returns_once_its_pods_are_gone_and_the_next_try_starts_after(tmp_path, clock, nodes):
     import logging
 
-    from ballast.backends import remote
+    from ballast.backends import driver
     from ballast.backends.kubernetes import KubernetesBackend
 
     spec = k8s_spec(nodes=nodes)  # preempt_grace_seconds 90: the pods' terminationGracePeriodSeconds
@@ -466,11 +490,11 @@ def test_a_stopped_try_returns_once_its_pods_are_gone_and_the_next_try_starts_af
     out = tmp_path / "train"
     out.mkdir()
     first = launch(spec, 1)
-    end = remote.run(backend, first, out, log, hang_timeout=0.0, heartbeat=True)  # no heartbeat: a hang
+    end = driver.run(backend, first, out, log, hang_timeout=0.0, heartbeat=True)  # no heartbeat: a hang
     assert api.pods == [] and 40 <= clock.now < 40 + 5  # stop() returned once they were gone, not before
     assert all(b.grace_period_seconds is None for b in api.delete_bodies)  # their grace: never a forced delete
-    assert end.hung and not end.left_running and not (out / remote.LEASE).exists()
-    assert remote.end_leftovers(spec, out, out / "jobs", log) is None
+    assert end.hung and not end.left_running and not (out / driver.JOB_LEASE).exists()
+    assert driver.end_leftovers(lambda: backend, out, log) is None
     backend.start(launch(spec, 2))
     events = [what for _, what in api.timeline]
     assert events.index("pods gone") < events.index(f"create {launch(spec, 2).name}"), events
@@ -481,7 +505,7 @@ def test_pods_that_outlive_their_grace_keep_the_lease_and_the_next_try_waits_for
                                                                                        monkeypatch):
     import logging
 
-    from ballast.backends import remote
+    from ballast.backends import driver
     from ballast.backends.kubernetes import STOP_MARGIN_SECONDS, KubernetesBackend
     from ballast.errors import LaunchError
 
@@ -489,18 +513,17 @@ def test_pods_that_outlive_their_grace_keep_the_lease_and_the_next_try_waits_for
     api = FakeAPI(clock, linger=float("inf"))  # a node that stopped answering: its pods stay listed
     log = logging.getLogger("test")
     backend = KubernetesBackend(spec, log, core=api, batch=api)
-    monkeypatch.setattr(remote, "backend_for", lambda *args: backend)
     out = tmp_path / "train"
     out.mkdir()
-    end = remote.run(backend, launch(spec, 1), out, log, hang_timeout=0.0, heartbeat=True)
-    assert end.hung and end.left_running and (out / remote.LEASE).exists()
+    end = driver.run(backend, launch(spec, 1), out, log, hang_timeout=0.0, heartbeat=True)
+    assert end.hung and end.left_running and (out / driver.JOB_LEASE).exists()
     assert 90 + STOP_MARGIN_SECONDS <= clock.now <= 90 + STOP_MARGIN_SECONDS + 5  # bounded: grace + margin
     with pytest.raises(LaunchError, match=r"remote\.json: try 1's kubernetes job ballast-.*-t1 has not ended"):
-        remote.end_leftovers(spec, out, out / "jobs", log)  # the next try does not start beside them
-    assert (out / remote.LEASE).exists()
+        driver.end_leftovers(lambda: backend, out, log)  # the next try does not start beside them
+    assert (out / driver.JOB_LEASE).exists()
     api.linger = 0  # the node came back and ended them
-    assert remote.end_leftovers(spec, out, out / "jobs", log)["try_number"] == 1
-    assert not (out / remote.LEASE).exists() and api.pods == []
+    assert driver.end_leftovers(lambda: backend, out, log)["try_number"] == 1
+    assert not (out / driver.JOB_LEASE).exists() and api.pods == []
 
 
 @pytest.mark.unit

@@ -5,6 +5,7 @@ excluded from the next try, a kill recovered from the committed checkpoint, a ca
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -122,7 +123,7 @@ def test_a_partition_that_does_not_exist_fails_the_first_try_naming_it(cluster, 
 @pytest.mark.integration
 def test_a_cancelled_train_task_scancels_its_job_and_leaves_nothing(cluster, tmp_path, digits_raw):
     from ballast.stages import convert, train, validate, warm_cache
-    from ballast.supervise import stop_running
+    from ballast.backends.driver import stop_all as stop_running
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: (on_slurm(d), d["training"].update(epochs=200)))
     run_chain(ctx, validate, convert, warm_cache)
@@ -246,6 +247,10 @@ def test_with_s3_storage_a_node_pulls_and_pushes_checkpoints_and_its_record_come
     assert [(a.outcome, a.failure_class) for a in tries] == [("failed", "oom"), ("success", None)]
     assert re.fullmatch(r"n[1-3]", tries[0].host) and tries[0].step_reached >= 20
     assert tries[1].settings["micro_batch_size"] == 16  # the adaptation reached the node
+    from ballast.node import outputs_prefix
+
+    ran = json.loads(ctx.storage.read_bytes(outputs_prefix(ctx.run_key, 2) + "run-node0.json"))
+    assert ran["batch"]["micro_batch_size"] == 16  # in the run config its trainer read (no env variable)
     keys = set(ctx.storage.list(f"{ctx.run_key}/checkpoints/"))
     committed = sorted(k.split("/")[-2] for k in keys if k.endswith("/COMMITTED"))
     assert committed, "no checkpoint reached storage"
@@ -518,7 +523,7 @@ def test_a_slurm_stop_that_did_not_end_the_job_keeps_its_lease_and_the_next_try_
     import json
     import logging
 
-    from ballast.backends import remote, slurm
+    from ballast.backends import driver, slurm
     from ballast.errors import LaunchError
 
     spec = spec_on_slurm(poll_seconds=0.05)
@@ -530,16 +535,16 @@ def test_a_slurm_stop_that_did_not_end_the_job_keeps_its_lease_and_the_next_try_
     out.mkdir()
     backend = slurm.SlurmBackend(spec, out / "jobs", log)
     launch = Launch(name="ballast-x-t1", try_number=1, nodes=1, command=("true",))
-    end = remote.run(backend, launch, out, log, hang_timeout=0.0, heartbeat=True)  # no heartbeat: a hang
-    assert json.loads((out / remote.LEASE).read_text())["job_id"] == "4242"  # kept: the job may still run
+    end = driver.run(backend, launch, out, log, hang_timeout=0.0, heartbeat=True)  # no heartbeat: a hang
+    assert json.loads((out / driver.JOB_LEASE).read_text())["job_id"] == "4242"  # kept: the job may still run
     assert end.hung and end.left_running and ["scancel", "4242"] in fake.calls
     with pytest.raises(LaunchError, match=r"remote\.json: try 1's slurm job 4242 has not ended") as err:
-        remote.end_leftovers(spec, out, out / "jobs", log)  # the next try: not beside it
-    assert err.value.failure_class == "communication" and (out / remote.LEASE).exists()
+        driver.end_leftovers(lambda: backend, out, log)  # the next try: not beside it
+    assert err.value.failure_class == "communication" and (out / driver.JOB_LEASE).exists()
     fake.scancel_works = True
     fake.calls.clear()
-    lease = remote.end_leftovers(spec, out, out / "jobs", log)
-    assert lease["job_id"] == "4242" and not (out / remote.LEASE).exists()
+    lease = driver.end_leftovers(lambda: backend, out, log)
+    assert lease["job_id"] == "4242" and not (out / driver.JOB_LEASE).exists()
     assert fake.calls[0] == ["scancel", "4242"] and fake.state == "CANCELLED"
 
 
@@ -576,7 +581,7 @@ def test_a_slurm_job_that_outlives_its_stop_keeps_its_lease_and_the_next_try_end
     import logging
     from collections import deque
 
-    from ballast.backends import remote
+    from ballast.backends import driver
     from ballast.backends.slurm import SlurmBackend
 
     spec = spec_on_slurm()
@@ -594,14 +599,15 @@ def test_a_slurm_job_that_outlives_its_stop_keeps_its_lease_and_the_next_try_end
         deadline = time.monotonic() + 120
         while "started" not in tail and time.monotonic() < deadline:
             time.sleep(0.2)
-        remote.stop_all("the test stops the task")
+        driver.stop_all("the test stops the task")
 
     t = threading.Thread(target=cancel_once_started, daemon=True)
     t.start()
-    end = remote.run(backend, launch, out, log, hang_timeout=600, heartbeat=False, tail=tail)
+    end = driver.run(backend, launch, out, log, hang_timeout=600, heartbeat=False, tail=tail)
     t.join(timeout=10)
-    assert (out / remote.LEASE).exists()  # the job may still run: the next try must end it
+    assert (out / driver.JOB_LEASE).exists()  # the job may still run: the next try must end it
     assert end.cancelled and end.left_running, end
-    lease = remote.end_leftovers(spec, out, out / "jobs", log)  # the next try, waiting as long as it takes
-    assert lease["name"] == launch.name and not (out / remote.LEASE).exists()
+    next_try = SlurmBackend(spec, out / "jobs", log)  # the next try's, waiting as long as it takes
+    lease = driver.end_leftovers(lambda: next_try, out, log)
+    assert lease["name"] == launch.name and not (out / driver.JOB_LEASE).exists()
     assert cluster.jobs() == [] and cluster.leftovers() == []

@@ -389,16 +389,17 @@ def test_training_is_ended_when_the_background_warm_up_fails(tmp_path):
     import sys
     import time
 
-    from ballast.supervise import supervise
+    from ballast.backends import Launch, driver
+    from ballast.backends.local import LocalBackend
 
-    class Ctx:
-        log = logging.getLogger("test")
-
+    log = logging.getLogger("test")
     failed_at = time.monotonic() + 1.0
     t0 = time.monotonic()
-    rc, hung = supervise([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, Ctx(), hang_timeout=600,
-                          abort=lambda: DataError("damaged shard") if time.monotonic() > failed_at else None)
-    assert not hung and rc != 0 and time.monotonic() - t0 < 20
+    end = driver.run(LocalBackend(tmp_path, log), Launch(name="t", try_number=1, nodes=1,
+                                                         command=(sys.executable, "-c", "import time; time.sleep(60)")),
+                     tmp_path, log, hang_timeout=600,
+                     should_stop=lambda: DataError("damaged shard") if time.monotonic() > failed_at else None)
+    assert not end.hung and end.exit_code != 0 and time.monotonic() - t0 < 20
 
 
 @pytest.mark.unit

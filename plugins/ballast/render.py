@@ -126,9 +126,9 @@ class StageOperator(BaseOperator):
 
     def on_kill(self) -> None:
         # The task is being stopped (marked failed, timed out): take any training processes down with it.
-        from ballast.supervise import stop_running
+        from ballast.backends.driver import stop_all
 
-        stop_running()
+        stop_all()
 
 
 def _doc(plan: Plan) -> str:

@@ -1,11 +1,13 @@
 """Where a try's training runs, behind one interface: `local` (torchrun on the Airflow worker),
 `kubernetes` (a pod, or an Indexed Job of pods), `slurm` (one batch job of N nodes).
 
-A backend (`local.LocalBackend`, `slurm.SlurmBackend`, `kubernetes.KubernetesBackend`) starts a `Launch`, relays its log while it waits, stops it on a cancel or a kill, and reports
-how it ended (`Ending`: exit code, the node, the platform's own termination reason, and the failure
-class that reason implies). The train stage and the recovery policy see only this. Pure builders (the
-torchrun argv, manifests, batch scripts) live apart from the code that starts and watches processes:
-`k8s_manifests` and `slurm_script` are tested as data.
+A backend (`Backend`: `local.LocalBackend`, `slurm.SlurmBackend`, `kubernetes.KubernetesBackend`,
+picked by `driver.backend_for`) starts a `Launch`, relays its log while it waits, stops it, and reports how it
+ended (`Ending`: exit code, the node, the platform's own termination reason, and the failure class that
+reason implies). The one driver of a try (`driver`: lease, cancel, the registry of running tries, the
+hang guard, the stop-all) runs every backend alike; the train stage and the recovery policy see only
+these. Pure builders (the torchrun argv, manifests, batch scripts) live apart from the code that starts
+and watches processes: `k8s_manifests` and `slurm_script` are tested as data.
 """
 
 from __future__ import annotations
@@ -71,12 +73,23 @@ class Ending:
 
 
 class Backend(Protocol):
-    def start(self, launch: Launch) -> Any: ...
+    """What the driver (`ballast.backends.driver`) needs of a backend."""
 
-    def wait(self, handle: Any, *, on_line: Callable[[str], Any], should_stop: Callable[[], bool]) -> Ending: ...
+    def start(self, launch: Launch) -> Any:
+        """Start the try; its handle."""
+
+    def wait(self, handle: Any, *, on_line: Callable[[str], Any], should_stop: Callable[[], Any]) -> Ending:
+        """Relay the log to `on_line` until the try ends, or until `should_stop()` returns a reason."""
 
     def stop(self, handle: Any, *, reason: str) -> bool:
-        """End the job and wait (bounded) until it has; False: it had not ended when the wait gave up."""
+        """End the try and wait (bounded) until it has; False: it had not ended when the wait gave up."""
+
+    def lease(self, handle: Any) -> dict[str, Any] | None:
+        """What the driver's lease keeps of a started job for the next try's `stop`; None: the backend
+        keeps a lease of its own (the local process group's)."""
+
+    def describe(self, handle: Any) -> dict[str, Any]:
+        """What names the try in its cancel marker (a process group, a job)."""
 
 
 def job_name(dag_id: str, run_id: str, try_number: int) -> str:

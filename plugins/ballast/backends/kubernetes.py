@@ -9,7 +9,7 @@ selector, leaving the try number out on purpose, would allow. A try's objects ar
 succeeds, fails (unless `keep_failed_pods`), is cancelled, or is found left over by the next try; a
 stop returns once the try's pods are gone (they may spend their grace period committing a checkpoint
 into the storage the next try resumes from), or reports that they are not, after that grace period and
-a margin: the try's lease then stays (`ballast.backends.remote`).
+a margin: the try's lease then stays (`ballast.backends.driver`).
 
 Not run against a cluster here (none runs on these machines): the objects are validated offline, and
 this module's calls are tested against a recording stand-in for the API (tests/test_kubernetes.py).
@@ -154,6 +154,12 @@ class KubernetesBackend:
                     raise
         self.log.info("deleted %s %s/%s (%s)", handle.get("kind"), ns, name, reason or "stopped")
         return self._gone(handle)
+
+    def lease(self, handle: dict[str, Any]) -> dict[str, Any]:
+        return handle  # what `stop` needs of the try's objects, for the next try (the driver's lease)
+
+    def describe(self, handle: dict[str, Any]) -> dict[str, Any]:
+        return {"job": handle["name"]}
 
     def _gone(self, handle: dict[str, Any]) -> bool:
         """Wait until no pod of the try runs (none listed, or all terminated), at most the pods' grace

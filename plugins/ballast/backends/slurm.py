@@ -150,6 +150,12 @@ class SlurmBackend:
                        self.stop_wait_seconds)
         return False
 
+    def lease(self, handle: dict[str, Any]) -> dict[str, Any]:
+        return handle  # what `stop` needs of the job, for the next try (the driver's lease)
+
+    def describe(self, handle: dict[str, Any]) -> dict[str, Any]:
+        return {"job": handle["job_id"]}
+
 
 class _Tail:
     """New lines of a growing file (the job's --output)."""

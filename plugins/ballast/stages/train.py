@@ -25,9 +25,7 @@ from ballast.launch_spec import run_config, torchrun_argv
 from ballast.records import BestValidation, RoundResult, TrainResult
 from ballast.recovery import adapt, history
 from ballast.recovery.policy import FAILURES_KEY, decide
-from ballast.backends import Launch, job_name
-from ballast.backends.local import LocalBackend
-from ballast.supervise import end_leftovers, was_cancelled
+from ballast.backends import Launch, driver, job_name
 
 
 def run(ctx: RunContext) -> TrainResult:
@@ -62,7 +60,7 @@ def _try(ctx: RunContext, cache, hist, settings, notes, out_dir: Path, ckpt_dir:
         result = _train(ctx, cache, out_dir, ckpt_dir, settings)
     except BaseException as exc:
         # The task is being stopped (SIGTERM -> on_kill, an interrupt) or training was cancelled under it.
-        cancelled = isinstance(exc, Cancelled) or not isinstance(exc, Exception) or was_cancelled(out_dir)
+        cancelled = isinstance(exc, Cancelled) or not isinstance(exc, Exception) or driver.was_cancelled(out_dir)
         done = history.finish(attempt, out_dir, ckpt_dir, outcome="cancelled" if cancelled else "failed",
                               failure_class=None if cancelled else failure_class(exc),
                               reason=" ".join(str(exc).split()) or type(exc).__name__,
@@ -95,11 +93,7 @@ def _after_previous_round(ctx: RunContext) -> adapt.TrySettings | None:
 def _close_earlier_try(ctx: RunContext, hist, out_dir: Path, ckpt_dir: Path):
     """End what an earlier try left running; complete its record if it was killed before writing it,
     and count its failure against its class's budget (the retry policy never saw it)."""
-    lease = end_leftovers(out_dir, ctx.log)
-    if ctx.spec.execution.backend != "local":
-        from ballast.backends import remote
-
-        lease = remote.end_leftovers(ctx.spec, out_dir, out_dir / "jobs", ctx.log) or lease
+    lease = driver.end_leftovers(lambda: driver.backend_for(ctx.spec, out_dir, ctx.log), out_dir, ctx.log)
     hist, closed = history.close_unfinished(hist, out_dir, ckpt_dir, lease=lease)
     if closed is None:
         return hist
@@ -275,18 +269,11 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
     cfg.dump(config_path)
     argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
     ctx.log.info("launching: %s", " ".join(argv))
-    # The trainer's own watchdog (same timeout) fires first and classifies the hang; this outer guard
-    # catches what it cannot see, such as a group stuck in rendezvous before the first step.
-    backend = LocalBackend(out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60)
+    backend = driver.backend_for(spec, out_dir, ctx.log)
     launch = Launch(name=job_name(ctx.dag_id, ctx.run_id, ctx.try_number), try_number=ctx.try_number, nodes=1,
                     command=tuple(argv), micro_batch_size=micro)
     warmer = _Warmer(ctx) if cache.pending_phases else None
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-
-    def on_line(line: str) -> None:
-        ctx.log.info("%s", line)
-        tail.append(line)
-
     targets = uploader = None
     try:
         targets = _publish_targets(ctx, out_dir)
@@ -295,10 +282,11 @@ def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adap
 
             uploader = OutputsUpload(ctx, out_dir)
             uploader.start()
-        handle = backend.start(launch)
-        end = backend.wait(handle, on_line=on_line,
-                           should_stop=(lambda: warmer.error and f"the cache warm-up failed ({warmer.error})")
-                           if warmer else None)
+        # The trainer's own watchdog (same timeout) fires first and classifies the hang; the driver's
+        # guard catches what it cannot see, such as a group stuck in rendezvous before the first step.
+        end = driver.run(backend, launch, out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60,
+                         tail=tail, should_stop=(lambda: warmer.error and f"the cache warm-up failed ({warmer.error})")
+                         if warmer else None)
     finally:
         if uploader is not None:
             uploader.finish()

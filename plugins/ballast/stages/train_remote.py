@@ -1,5 +1,5 @@
 """The train stage's try on a cluster backend (Slurm, Kubernetes): the try's job file to storage, the
-job started and followed through `ballast.backends.remote`, its outcome read back.
+job started and followed through the one driver (`ballast.backends.driver`), its outcome read back.
 
 The nodes warm their own caches and train (`ballast.node`); their failure record and summary reach the
 task through storage (on a shared file system they are written where the task reads them). How the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from pathlib import Path
 
-from ballast.backends import Ending, job_key, job_ref, launch_for, remote
+from ballast.backends import Ending, driver, job_key, job_ref, launch_for
 from ballast.context import RunContext
 from ballast.errors import Cancelled, training_error
 from ballast.node import NodeJob, outputs_prefix
@@ -46,9 +46,9 @@ def train_remote(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settings: 
                   task_id=ctx.task_id or "train", try_number=ctx.try_number, name=launch.name,
                   run_config=cfg.model_dump(mode="json"), out_dir=str(out_dir), checkpoint_dir=str(ckpt_dir))
     ctx.storage.write_bytes(job_key(ctx.run_key, ctx.try_number), job.model_dump_json(indent=1).encode())
-    backend = remote.backend_for(spec, out_dir / "jobs", ctx.log)
+    backend = driver.backend_for(spec, out_dir, ctx.log)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    end = remote.run(backend, launch, out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60,
+    end = driver.run(backend, launch, out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60,
                      heartbeat=shared, tail=tail)
     hung = end.hung
     if not shared:
