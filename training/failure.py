@@ -25,7 +25,6 @@ pattern table, `training.failure_patterns`; the classes and codes themselves are
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -34,9 +33,10 @@ from pathlib import Path
 
 from ballast.training.failure_classes import EXIT_CODES, FAILURE_CLASSES  # noqa: F401 (re-exported)
 from ballast.training.failure_patterns import classify_text
+from ballast.training.outputs import FAILURE_RECORD, FailureRecord, read_failure, write_failure
 
 RETRYABLE = frozenset({"divergence", "communication", "oom", "hardware", "preempted", "hang"})
-RECORD_NAME = "failure.json"
+RECORD_NAME = FAILURE_RECORD
 
 
 class TrainingFailure(Exception):
@@ -106,34 +106,18 @@ def host_name() -> str:
 
 
 def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: int) -> dict:
+    """Write this rank's failure record (`training.outputs.FailureRecord`, through `write_failure`:
+    failure.json for the first rank to fail, failure-rank<R>.json after it) and return it as its JSON."""
     cls = classify(exc)
-    record = {
-        "class": cls,
-        "exit_code": EXIT_CODES[cls],
-        "retryable": cls in RETRYABLE,
-        "exception": f"{type(exc).__name__}: {exc}",
-        "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:],
-        "step": step,
-        "rank": rank,
-        "host": host_name(),
-        "pid": os.getpid(),
-        "time": time.time(),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".{RECORD_NAME}.{rank}.tmp"
-    tmp.write_text(json.dumps(record, indent=2))
-    # The first rank to fail names the cause: the others mostly fail because of it (a peer gone is
-    # "connection closed" on every other rank). Theirs go beside it, failure-rank<R>.json.
-    try:
-        os.link(tmp, out_dir / RECORD_NAME)
-        tmp.unlink()
-    except FileExistsError:
-        os.replace(tmp, out_dir / f"failure-rank{rank}.json")
-    return record
+    record = FailureRecord(failure_class=cls, exit_code=EXIT_CODES[cls], retryable=cls in RETRYABLE,
+                           exception=f"{type(exc).__name__}: {exc}",
+                           traceback=traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:],
+                           step=step, rank=rank, host=host_name(), pid=os.getpid(), time=time.time())
+    write_failure(out_dir, record)
+    return record.as_dict()
 
 
 def read_record(out_dir: Path) -> dict | None:
-    try:
-        return json.loads((Path(out_dir) / RECORD_NAME).read_text())
-    except (OSError, ValueError):
-        return None
+    """failure.json as its JSON object (read through `training.outputs.read_failure`), or None."""
+    record = read_failure(Path(out_dir))
+    return record.as_dict() if record is not None else None

@@ -4,7 +4,6 @@ per-rank Prometheus endpoint plus JSON-lines event log."""
 from __future__ import annotations
 
 import faulthandler
-import json
 import math
 import os
 import sys
@@ -13,6 +12,8 @@ import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
+
+from ballast.training.outputs import EVENTS
 
 
 class SpikeDetector:
@@ -161,7 +162,7 @@ class Metrics:
 
         self.out_dir = out_dir
         self.rank = rank
-        self.events_path = out_dir / "metrics.jsonl"
+        self.events_path = out_dir / EVENTS
         self.port = None
         self._server: Any = None
         self._g: dict[str, Any] = {}
@@ -258,9 +259,10 @@ class Metrics:
     def event(self, name: str, step: int, **fields: Any) -> None:
         if self.rank != 0 and name != "anomaly":
             return
-        record = {"event": name, "time": time.time(), "step": step, "rank": self.rank, **fields}
-        with open(self.events_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        from ballast.training.outputs import Event, write_event
+
+        write_event(self.events_path, Event.model_validate({"event": name, "time": time.time(), "step": step,
+                                                            "rank": self.rank, **fields}))
 
 
 def memory_bytes(device) -> int:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from ballast.training.failure import EXIT_CODES, Preempted, TrainingFailure, write_record
 from ballast.training.monitor import Nvml, Watchdog, memory_bytes
+from ballast.training.outputs import Heartbeat, write_heartbeat
 
 
 class Supervision:
@@ -56,10 +57,8 @@ class Supervision:
             return
         self._slow_at = now
         self.metrics.set(memory_bytes=memory_bytes(self.device), **self.nvml.read())
-        if self.rank == 0:  # "<step> <unix time>", replaced atomically so readers never see it half written
-            tmp = self.out / ".heartbeat.tmp"
-            tmp.write_text(f"{self.step()} {time.time()}\n")
-            os.replace(tmp, self.out / "heartbeat")
+        if self.rank == 0:  # replaced atomically so readers never see it half written
+            write_heartbeat(self.out, Heartbeat(step=self.step(), time=time.time()))
 
     def stop(self) -> None:
         self.watchdog.stop()

@@ -20,7 +20,6 @@ step (the pieces live in their own modules; this one is the loop):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from ballast.training.faults import Injector, load_faults
 from ballast.training.preflight import run_checks, state_bytes
 from ballast.training.models import build_configured_model, build_optimizer
 from ballast.training.monitor import Metrics, grad_stats
+from ballast.training.outputs import Summary, write_summary
 from ballast.training.state import TrainState
 from ballast.training.supervision import Supervision
 
@@ -383,17 +383,13 @@ class Trainer:
         self.checkpoints.wait()
         self.supervision.stop()
         root = self.checkpoints.root
-        summary = {
-            "steps": st.step, "epochs": st.epoch, "stopped_early": stopped_early,
-            "best": st.best, "history": st.history,
-            "best_checkpoint": str(root / ckpt.step_dir_name(st.best["step"])) if st.best else None,
-            "last_checkpoint": str(root / ckpt.step_dir_name(st.step)),
-            "world_size": self.dist.world, "skipped_batches": sorted(st.skip),
-            "train_seconds": self.train_seconds, "samples": self.samples,
-            "samples_per_second": self.samples / self.train_seconds if self.train_seconds else None,
-        }
+        summary = Summary(
+            steps=st.step, epochs=st.epoch, stopped_early=stopped_early, best=st.best, history=st.history,
+            best_checkpoint=str(root / ckpt.step_dir_name(st.best["step"])) if st.best else None,
+            last_checkpoint=str(root / ckpt.step_dir_name(st.step)),
+            world_size=self.dist.world, skipped_batches=sorted(st.skip),
+            train_seconds=self.train_seconds, samples=self.samples,
+            samples_per_second=self.samples / self.train_seconds if self.train_seconds else None)
         if self.rank == 0:
-            tmp = self.out / ".summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=2))
-            os.replace(tmp, self.out / "summary.json")
-        return summary
+            write_summary(self.out, summary)
+        return summary.model_dump(mode="json")

@@ -21,6 +21,7 @@ from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part,
 from ballast.training.checkpoint.snapshot import Snapshot
 from ballast.training.config.run import CheckpointConfig, ModelConfig
 from ballast.training.failure import CheckpointFailure
+from ballast.training.outputs import trainer_state
 from ballast.training.state import TrainState
 
 
@@ -58,12 +59,12 @@ class CheckpointManager:
         tensors, parts = self._snapshot(rng)
         jsons: dict[str, Any] = {}
         if self.dist.rank == 0:
-            jsons[TRAINER_STATE] = {
+            jsons[TRAINER_STATE] = trainer_state(**{
                 **self.state.state_dict(), "world_size": self.dist.world,
                 **{key: obj.state_dict() for key, obj in self.states.items()},
                 # The model section (name, shapes, width, dropout): what the weights can be rebuilt from.
                 **self.model_section.model_dump(mode="json"),
-                "parallelism": self.parallelism, "reason": reason, "optim_parts": parts}
+                "parallelism": self.parallelism, "reason": reason, "optim_parts": parts})
         keep = {self.state.best["step"]} if self.state.best else set()
         use_async = self.cfg.asynchronous if asynchronous is None else asynchronous
         self.saver.save(self.state.step, tensors, jsons, keep=keep, asynchronous=use_async)

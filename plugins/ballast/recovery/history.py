@@ -12,7 +12,6 @@ rank wrote one, its heartbeat, its checkpoints. Times come from the trainer's fi
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from pathlib import Path
@@ -51,28 +50,18 @@ def put(history: AttemptHistory, attempt: Attempt) -> AttemptHistory:
 
 
 def events(out_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
-    """The trainer's metrics.jsonl events from `since` (unix time) on; a line cut by a kill is skipped."""
-    try:
-        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a kill
-        if isinstance(e, dict) and e.get("time", 0) >= since:
-            found.append(e)
-    return found
+    """The trainer's metrics.jsonl events from `since` (unix time) on, as their JSON objects (read
+    through `training.outputs.read_events`: a line cut by a kill is skipped)."""
+    from ballast.training.outputs import read_events
+
+    return [e.model_dump() for e in read_events(out_dir, since)]
 
 
 def _heartbeat(out_dir: Path) -> tuple[int, float] | None:
-    try:
-        step, at = (out_dir / "heartbeat").read_text().split()
-        return int(step), float(at)
-    except (OSError, ValueError):
-        return None
+    from ballast.training.outputs import read_heartbeat
+
+    beat = read_heartbeat(out_dir)
+    return (beat.step, beat.time) if beat is not None else None
 
 
 def _commits(ckpt_dir: Path, since: float) -> list[tuple[int, float]]:

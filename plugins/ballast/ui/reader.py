@@ -7,7 +7,6 @@ model accepts, or unreadable), with the problem in one line.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -69,27 +68,22 @@ class Reader:
         lines = data.split(b"\n")
         if self.states[name] == "partial":
             lines = lines[1:]  # the first line was cut by the bounded read
+        from ballast.training.outputs import parse_event  # the trainer's declared event line
+
         out, bad = [], 0
         for line in lines:
             if not line.strip():
                 continue
-            try:
-                event = json.loads(line)
-            except ValueError:
-                bad += 1  # a line being written, or damage
+            event = parse_event(line)
+            if event is None:
+                bad += 1  # a line being written, or damage, or no finite step and time
                 continue
-            if not (isinstance(event, dict) and _number(event.get("step")) and _number(event.get("time"))):
-                bad += 1
-                continue
-            out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()})
+            out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                        for k, v in event.model_dump().items()})
         if bad:
             self.states[name] = "partial"
             self.problems[name] = f"{bad} unreadable line(s) skipped"
         return out
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _size(n: int) -> str:

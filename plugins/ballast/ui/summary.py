@@ -306,12 +306,10 @@ def _section(data: Any, name: str) -> dict:
 
 
 def _heartbeat(data: bytes | None) -> tuple[int, float] | None:
-    try:
-        step, at = (data or b"").split()[:2]
-        step_, at_ = int(step), float(at)
-    except ValueError:
-        return None
-    return (step_, at_) if math.isfinite(at_) else None
+    from ballast.training.outputs import parse_heartbeat
+
+    beat = parse_heartbeat(data)
+    return (beat.step, beat.time) if beat is not None else None
 
 
 def _last_round(stages: list[str], stage: str) -> str:
