@@ -1,7 +1,9 @@
 """What each node of a cluster try runs (a Kubernetes pod, a Slurm task): `python -m ballast.node --job REF`.
 
 The train task writes the try's job file (`NodeJob`: the effective spec, the run's identity, the run
-config) to the pipeline's storage; each node then, on its own:
+config) to the pipeline's storage. The run config is the only carrier of the trainer's settings to a
+node, recovery's adaptations (a smaller micro-batch after an out-of-memory failure) included: a node
+changes only its directories (`node_config`). Each node then, on its own:
 
 1. warms its node-local cache from storage: the same staged, verified warm-up as on the worker
    (`ballast.stages.warm_cache.warm`), every stage before training starts;
@@ -108,7 +110,6 @@ def run(job: NodeJob, rank: int) -> int:
     from ballast.spec import Spec
     from ballast.stages.warm_cache import dataset_dir, warm
     from ballast.storage import ballast_home
-    from ballast.training.config.run import RunConfig
 
     data = dict(job.spec)
     host = node_name()
@@ -134,17 +135,9 @@ def run(job: NodeJob, rank: int) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir)
         log.info("checkpoints from storage: %s (what this node resumes from, no more)", ", ".join(pulled) or "none")
-    cfg = RunConfig.model_validate(job.run_config)
-    micro = os.environ.get("BALLAST_MICRO_BATCH_SIZE")
-    batch = cfg.batch if not micro else cfg.batch.model_copy(update={
-        "micro_batch_size": int(micro),
-        "grad_accum_steps": spec.training.grad_accum_for(int(micro))})
-    cfg = cfg.model_copy(update={
-        "output_dir": str(out_dir), "batch": batch,
-        "data": cfg.data.model_copy(update={"directory": cache.cache_dir, "format": cache.format}),
-        "checkpoint": cfg.checkpoint.model_copy(update={"directory": str(ckpt_dir)})})
     config_path = out_dir / f"run-node{rank}.json"
-    cfg.dump(config_path)
+    node_config(job, out_dir=out_dir, checkpoint_dir=ckpt_dir, data_dir=cache.cache_dir,
+                data_format=cache.format).dump(config_path)
     argv = torchrun_argv(spec, config_path, rdzv_endpoint=os.environ.get(RDZV_ENV), run_id=job.name)
     log.info("launching: %s", " ".join(argv))
     env = {**os.environ, "BALLAST_HOST": host}
@@ -159,6 +152,19 @@ def run(job: NodeJob, rank: int) -> int:
         push_outputs(ctx, out_dir)
     log.info("launcher exited %d", rc)
     return rc
+
+
+def node_config(job: NodeJob, *, out_dir: Path, checkpoint_dir: Path, data_dir: str, data_format: str):
+    """The job's run config with this node's directories (and the format its cache holds): every
+    setting, the try's adapted micro-batch included, is the one the train task wrote; nothing in the
+    node's environment changes it."""
+    from ballast.training.config.run import RunConfig
+
+    cfg = RunConfig.model_validate(job.run_config)
+    return cfg.model_copy(update={
+        "output_dir": str(out_dir),
+        "data": cfg.data.model_copy(update={"directory": data_dir, "format": data_format}),
+        "checkpoint": cfg.checkpoint.model_copy(update={"directory": str(checkpoint_dir)})})
 
 
 def outputs_prefix(run_key: str, try_number: int) -> str:

@@ -136,8 +136,6 @@ def _env(spec: Spec, launch: Launch, name: str, *, nodes: int):
     k = _k8s(spec)
     env = {**spec.execution.env, **launch.env, "BALLAST_CACHE_DIR": CACHE_MOUNT, "BALLAST_WORK_DIR": WORK_MOUNT,
            "HOME": "/tmp"}
-    if launch.micro_batch_size is not None:
-        env["BALLAST_MICRO_BATCH_SIZE"] = str(launch.micro_batch_size)
     out = [k8s.V1EnvVar(name=key, value=value) for key, value in sorted(env.items())]
     if nodes > 1:
         service = f"{name}.{k.namespace}.svc"

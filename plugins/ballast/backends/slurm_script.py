@@ -114,8 +114,6 @@ def batch_script(spec: Spec, launch: Launch, *, export: Iterable[str]) -> str:
     """The batch script: environment, rendezvous endpoint, and `srun` of the node command on every node,
     which gets what sbatch exported (`export`) and what the script sets, nothing else."""
     env = {**spec.execution.env, **launch.env}
-    if launch.micro_batch_size is not None:
-        env["BALLAST_MICRO_BATCH_SIZE"] = str(launch.micro_batch_size)
     lines = [
         "#!/bin/bash",
         f"# Ballast: try {launch.try_number} of {shlex.quote(launch.labels.get('dag_id', spec.dag_id))},"
