@@ -132,6 +132,26 @@ def test_policy_delays_back_off_per_class_and_preemption_waits_for_nothing():
 
 
 @pytest.mark.unit
+def test_the_policy_is_the_one_writer_of_a_tasks_failures_and_an_unseen_try_counts_once():
+    from ballast.errors import LaunchError
+    from ballast.recovery.policy import FAILURES_KEY, StageRetryPolicy, decide_unseen
+
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value
+
+    store = Store()
+    policy = StageRetryPolicy({"policy": {"oom": {"retries": 1}}}, "train")
+    policy.evaluate(LaunchError("x", failure_class="oom"), 1, 5, {"task_state_store": store})
+    assert store[FAILURES_KEY] == {"1": "oom"}
+    # The next try finds try 1 unrecorded: the policy's class stands, and the budget is as the policy left it.
+    assert decide_unseen(policy.recovery, store, 1, "unknown").retry and store[FAILURES_KEY] == {"1": "oom"}
+    # Try 2's task process was killed: counted now, and over oom's budget of 1.
+    assert not decide_unseen(policy.recovery, store, 2, "oom").retry and store[FAILURES_KEY] == {"1": "oom", "2": "oom"}
+    assert decide_unseen(policy.recovery, None, 1, "preempted").retry  # outside a task: decided, nothing kept
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("recovery,pattern", [
     ({"policy": {"gpu_melted": 2}}, r"recovery\.policy\.gpu_melted: unknown key 'gpu_melted'; must be one of 'oom'"),
     ({"policy": {"oom": -1}}, r"recovery\.policy\.oom\.retries: must be >= 0 \(got -1\)"),

@@ -4,8 +4,10 @@
 task's earlier failures in, a `Decision` out. `StageRetryPolicy` is Airflow's `retry_policy` for a
 stage task: it reads the failure's class from the exception (`ballast.errors.failure_class`), keeps
 the task's failures in its `task_state_store` (which survives retries, unlike XComs) and answers with
-Airflow's `RetryDecision`. A policy can end retries early, never add any: the task's `retries` is the
-ceiling (`recovery.ceiling`, the sum of the budgets unless `recovery.retries` caps it).
+Airflow's `RetryDecision`; a try the policy never saw (its task process killed) is counted and decided
+by `decide_unseen`, from the next try. Only this module writes the task's failures. A policy can end
+retries early, never add any: the task's `retries` is the ceiling (`recovery.ceiling`, the sum of the
+budgets unless `recovery.retries` caps it).
 """
 
 from __future__ import annotations
@@ -54,6 +56,29 @@ def decide(recovery: RecoverySpec, failure_class: str, failures: dict[str, str],
                                  f" {delay:g}s")
 
 
+def record_failure(store: Any, try_number: int, failure_class: str, *, keep: bool = False) -> dict[str, str]:
+    """Count try `try_number`'s failure of `failure_class` in the task's state (`store`: its
+    task_state_store, or None outside a task) and return every failed try so far; `keep`: a class
+    already counted for that try stands. The one writer of FAILURES_KEY."""
+    failures = dict(store.get(FAILURES_KEY) or {}) if store is not None else {}
+    if keep:
+        failures.setdefault(str(try_number), failure_class)
+    else:
+        failures[str(try_number)] = failure_class
+    if store is not None:
+        store.set(FAILURES_KEY, failures)
+    return failures
+
+
+def decide_unseen(recovery: RecoverySpec, store: Any, try_number: int, failure_class: str, *,
+                  stage: str = "train") -> Decision:
+    """The decision for a try whose task process was killed before this policy saw its failure (the
+    next try finds it unrecorded): count it, unless the policy already did, and decide as for any
+    failure."""
+    failures = record_failure(store, try_number, failure_class, keep=True)
+    return decide(recovery, failures[str(try_number)], failures, try_number=try_number, stage=stage)
+
+
 class StageRetryPolicy(RetryPolicy):
     """Airflow's retry policy for one stage task, from the spec's recovery section."""
 
@@ -78,10 +103,7 @@ class StageRetryPolicy(RetryPolicy):
             return RetryDecision.fail(f"{self.stage}: cancelled; not retried")
         cls = failure_class(exception)
         store = context.get("task_state_store") if context is not None else None
-        failures = dict(store.get(FAILURES_KEY) or {}) if store is not None else {}
-        failures[str(try_number)] = cls
-        if store is not None:
-            store.set(FAILURES_KEY, failures)
+        failures = record_failure(store, try_number, cls)
         decision = decide(self.recovery, cls, failures, try_number=try_number, max_tries=max_tries or None,
                           stage=self.stage)
         if decision.retry:
