@@ -126,10 +126,10 @@ def _step_at(out: Path) -> int | None:
 
 
 def _heartbeat(out: Path) -> int | None:
-    try:
-        return int((out / "heartbeat").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+    from ballast.training.outputs import read_heartbeat
+
+    beat = read_heartbeat(out)
+    return beat.step if beat is not None else None
 
 
 def _run(root: Path, name: str, spec: dict, *, kill_times: list[float], seed: int,

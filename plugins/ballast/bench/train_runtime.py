@@ -23,6 +23,7 @@ from typing import Any
 
 from ballast.bench.measure import target
 from ballast.records import WarmCacheResult
+from ballast.training.outputs import read_summary
 
 
 def _prepare(root: Path, *, rows: int, shape: tuple[int, ...], edit) -> tuple[Any, WarmCacheResult]:
@@ -79,8 +80,9 @@ def _torchrun(config: Path, *, module: str = "ballast.training", nproc: int = 2,
 
 
 def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "out" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    from ballast.training.outputs import read_events
+
+    return [e.model_dump() for e in read_events(run_dir / "out")]
 
 
 def bench_overhead(*, repeat: int = 5, epochs: int = 6) -> dict:
@@ -100,7 +102,7 @@ def bench_overhead(*, repeat: int = 5, epochs: int = 6) -> dict:
                 run = root / f"{kind}-{i}"
                 if kind == "trainer":
                     _torchrun(_config(spec, cache, run, {"execution.metrics_port": _free_port_block(2)}))
-                    ours.append(json.loads((run / "out" / "summary.json").read_text())["samples_per_second"])
+                    ours.append(read_summary(run / "out").samples_per_second)
                 else:
                     _torchrun(_config(spec, cache, run), module="ballast.training.baseline")
                     plain.append(json.loads((run / "out" / "baseline.json").read_text())["samples_per_second"])
@@ -150,7 +152,7 @@ def bench_checkpoint(*, hidden: int = 9000, interval_run_seconds: float = 100.0,
                 cfg = _config(spec, cache, run, {"checkpoint.asynchronous": True, "checkpoint.every_seconds": every,
                                                  "epochs": 1, "rehearsal.max_seconds": interval_run_seconds})
                 _torchrun(cfg)
-                summary = json.loads((run / "out" / "summary.json").read_text())
+                summary = read_summary(run / "out").model_dump()
                 events = _events(run)
                 saves = [e for e in events if e["event"] == "checkpoint" and e["reason"] == "interval"]
                 # Each interval save's background write must be done inside the timed window, or part of
