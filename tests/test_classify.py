@@ -71,3 +71,13 @@ def test_failure_and_its_patterns_do_not_import_each_other():
 
     assert "ballast.training.failure" not in imports(patterns)
     assert "ballast.training.failure_patterns" in imports(failure)
+
+
+def test_the_platforms_words_are_the_tables_and_name_failure_classes():
+    from ballast.training.failure_classes import FAILURE_CLASSES
+    from ballast.training.failure_patterns import PLATFORM_ENDINGS, platform_class
+
+    assert set(PLATFORM_ENDINGS.values()) <= set(FAILURE_CLASSES)
+    assert [platform_class("slurm", w) for w in ("OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "FAILED", None)] == \
+        ["oom", "preempted", "hardware", None, None]
+    assert platform_class("kubernetes", "DeletionByTaintManager") == "hardware"

@@ -98,3 +98,9 @@ def test_the_trainer_state_names_early_stopping_and_passes_the_parts_states_thro
     with pytest.raises(ValidationError, match="bad_epochs"):
         o.trainer_state(step=6, epoch=1, pos=0, history=[], best=None, skip=[], world_size=1, optim_parts=1,
                         reason="epoch")
+
+
+def test_the_failure_module_names_the_record_as_the_outputs_do():
+    from ballast.training.failure import RECORD_NAME
+
+    assert RECORD_NAME == o.FAILURE_RECORD

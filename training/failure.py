@@ -32,11 +32,11 @@ import traceback
 from pathlib import Path
 
 from ballast.training.failure_classes import EXIT_CODES, FAILURE_CLASSES  # noqa: F401 (re-exported)
-from ballast.training.failure_patterns import classify_text
-from ballast.training.outputs import FAILURE_RECORD, FailureRecord, read_failure, write_failure
 
 RETRYABLE = frozenset({"divergence", "communication", "oom", "hardware", "preempted", "hang"})
-RECORD_NAME = FAILURE_RECORD
+# training.outputs.FAILURE_RECORD. The pattern table and the outputs' models are imported where used:
+# ballast.errors imports this module at DAG-parse time, and they cost ~30 ms to import.
+RECORD_NAME = "failure.json"
 
 
 class TrainingFailure(Exception):
@@ -95,6 +95,8 @@ def classify(exc: BaseException) -> str:
         return exc.failure_class
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return "oom"
+    from ballast.training.failure_patterns import classify_text
+
     match = classify_text(f"{type(exc).__name__}: {exc}")
     return match.failure_class if match else "user_code"
 
@@ -108,6 +110,8 @@ def host_name() -> str:
 def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: int) -> dict:
     """Write this rank's failure record (`training.outputs.FailureRecord`, through `write_failure`:
     failure.json for the first rank to fail, failure-rank<R>.json after it) and return it as its JSON."""
+    from ballast.training.outputs import FailureRecord, write_failure
+
     cls = classify(exc)
     record = FailureRecord(failure_class=cls, exit_code=EXIT_CODES[cls], retryable=cls in RETRYABLE,
                            exception=f"{type(exc).__name__}: {exc}",
@@ -119,5 +123,7 @@ def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: i
 
 def read_record(out_dir: Path) -> dict | None:
     """failure.json as its JSON object (read through `training.outputs.read_failure`), or None."""
+    from ballast.training.outputs import read_failure
+
     record = read_failure(Path(out_dir))
     return record.as_dict() if record is not None else None

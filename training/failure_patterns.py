@@ -146,6 +146,33 @@ PATTERNS: tuple[Pattern, ...] = (
 )
 del P
 
+PLATFORM_ENDINGS: dict[tuple[str, str], str] = {
+    # Slurm's job states (scontrol show job / sacct): the cgroup hit --mem; a higher-priority job took the
+    # nodes; the time limit (the trainers had their --signal notice and checkpointed); a node died or never
+    # came up; CANCELLED by someone other than Ballast (an administrator): the work was taken away.
+    ("slurm", "OUT_OF_MEMORY"): "oom", ("slurm", "PREEMPTED"): "preempted", ("slurm", "TIMEOUT"): "preempted",
+    ("slurm", "DEADLINE"): "preempted", ("slurm", "CANCELLED"): "preempted",
+    ("slurm", "NODE_FAIL"): "hardware", ("slurm", "BOOT_FAIL"): "hardware",
+    # Kubernetes: a container's terminated reason, a pod's reason or phase, a DisruptionTarget condition's
+    # reason. Evictions, drains, preemption, a graceful node shutdown and the try's deadline took the work
+    # from a healthy job; a NoExecute taint, a pod whose node is gone, a node that stopped reporting: hardware.
+    ("kubernetes", "OOMKilled"): "oom", ("kubernetes", "Evicted"): "preempted",
+    ("kubernetes", "DeadlineExceeded"): "preempted", ("kubernetes", "DisruptionTarget"): "preempted",
+    ("kubernetes", "PreemptionByScheduler"): "preempted", ("kubernetes", "EvictionByEvictionAPI"): "preempted",
+    ("kubernetes", "TerminationByKubelet"): "preempted", ("kubernetes", "DeletionByTaintManager"): "hardware",
+    ("kubernetes", "DeletionByPodGC"): "hardware", ("kubernetes", "NodeLost"): "hardware",
+    ("kubernetes", "Unknown"): "hardware",
+}
+"""(platform, its own word for how a job or pod ended) -> failure class: the platform's half of the table,
+read by `ballast.backends.slurm_status` and `k8s_status`; `classify_exit` weighs what it gives against
+the record. A word not here names no class (the failure record and the log decide)."""
+
+
+def platform_class(platform: str, word: str | None) -> str | None:
+    """The class a platform's word for an ending names (`PLATFORM_ENDINGS`), or None."""
+    return PLATFORM_ENDINGS.get((platform, word or ""))
+
+
 _LABELS = {"cuda": "CUDA", "nccl": "NCCL", "xid": "NVIDIA driver", "slurm": "Slurm", "kubernetes": "Kubernetes"}
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun: "failed (exitcode: -9) local_rank: 0 ..."
 _WORKER_SIGNALLED = re.compile(r"exitcode\s*:\s*(-\d+)\)?\s*local_rank\s*:\s*(\d+)")

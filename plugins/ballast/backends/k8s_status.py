@@ -1,4 +1,5 @@
-"""How a training pod ended, read from its status as the API server reports it, in recovery's classes.
+"""How a training pod ended, read from its status as the API server reports it, in recovery's classes
+(each reason's class is the pattern table's, `training.failure_patterns.PLATFORM_ENDINGS`).
 
 The provider's failure says only "Pod X returned a failure."; the reasons live in the pod:
 
@@ -23,9 +24,12 @@ from typing import Any
 from ballast.backends import Ending
 
 CONTAINER = "train"
-DISRUPTIONS = {"PreemptionByScheduler": "preempted", "EvictionByEvictionAPI": "preempted",
-               "TerminationByKubelet": "preempted", "DeletionByTaintManager": "hardware",
-               "DeletionByPodGC": "hardware"}
+
+
+def _class(word: str | None) -> str | None:
+    from ballast.training.failure_patterns import platform_class  # its regexes compile at import: not at parse
+
+    return platform_class("kubernetes", word)
 
 
 def _get(obj: Any, *names: str) -> Any:
@@ -55,18 +59,18 @@ def ending(pod: Any) -> Ending | None:
             reason = _get(cond, "reason") or "DisruptionTarget"
             message = _get(cond, "message") or ""
             return Ending(code, host=host, reason=f"{reason}: {message}".rstrip(": "),
-                          failure_class=DISRUPTIONS.get(reason, "preempted"))
+                          failure_class=_class(reason) or _class("DisruptionTarget"))
     pod_reason = _get(status, "reason")
     if pod_reason in ("Evicted", "DeadlineExceeded"):
         return Ending(code, host=host, reason=f"{pod_reason}: {_get(status, 'message') or ''}".rstrip(": "),
-                      failure_class="preempted")
+                      failure_class=_class(pod_reason))
     if pod_reason == "NodeLost" or phase == "Unknown":
         return Ending(code, host=host, reason=f"{pod_reason or 'Unknown'}: the pod's node stopped reporting",
-                      failure_class="hardware")
+                      failure_class=_class(pod_reason) or _class("Unknown"))
     if phase not in ("Succeeded", "Failed"):
         return None
     if term is not None and _get(term, "reason") == "OOMKilled":
-        return Ending(code, host=host, reason="OOMKilled", failure_class="oom")
+        return Ending(code, host=host, reason="OOMKilled", failure_class=_class("OOMKilled"))
     if phase == "Succeeded":
         return Ending(0 if code is None else code, host=host, reason=_get(term, "reason") or "Completed")
     return Ending(code, host=host, reason=_get(term, "reason") or pod_reason or "Failed")

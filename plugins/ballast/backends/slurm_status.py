@@ -1,4 +1,5 @@
-"""How a Slurm job ended, read back from `scontrol show job -o` (or `sacct`), in recovery's classes.
+"""How a Slurm job ended, read back from `scontrol show job -o` (or `sacct`), in recovery's classes
+(the states' classes are the pattern table's, `training.failure_patterns.PLATFORM_ENDINGS`).
 
 - OUT_OF_MEMORY (the job's cgroup hit --mem): `oom`;
 - PREEMPTED (a higher-priority job took the nodes), TIMEOUT and DEADLINE (the time limit: training had
@@ -17,8 +18,6 @@ from ballast.backends import Ending
 
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "PREEMPTED", "NODE_FAIL",
                       "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"})
-CLASSES = {"OUT_OF_MEMORY": "oom", "PREEMPTED": "preempted", "TIMEOUT": "preempted", "DEADLINE": "preempted",
-           "NODE_FAIL": "hardware", "BOOT_FAIL": "hardware"}
 _FIELD = re.compile(r"(\w+(?::\w+)?)=(\S*)")
 
 
@@ -40,6 +39,8 @@ def ending(fields: dict[str, str], *, cancelled_by_us: bool = False) -> Ending |
     state = fields.get("JobState", "").split()[0] if fields.get("JobState") else ""
     if state not in TERMINAL:
         return None
+    from ballast.training.failure_patterns import platform_class  # its regexes compile at import: not at parse
+
     code_text, _, signal_text = fields.get("ExitCode", "0:0").partition(":")
     code, sig = int(code_text or 0), int(signal_text or 0)
     exit_code = -sig if sig and not code else code
@@ -51,5 +52,5 @@ def ending(fields: dict[str, str], *, cancelled_by_us: bool = False) -> Ending |
         return Ending(exit_code, host=host, reason=said)
     if state == "CANCELLED":
         return Ending(exit_code, host=host, reason=said, cancelled=cancelled_by_us,
-                      failure_class=None if cancelled_by_us else "preempted")
-    return Ending(exit_code, host=host, reason=said, failure_class=CLASSES.get(state))
+                      failure_class=None if cancelled_by_us else platform_class("slurm", state))
+    return Ending(exit_code, host=host, reason=said, failure_class=platform_class("slurm", state))
