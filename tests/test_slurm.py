@@ -70,8 +70,7 @@ def test_the_batch_script_quotes_every_value_and_the_options_are_arguments(tmp_p
     spec = spec_on_slurm()
     launch = Launch(name="ballast-digits-0a1b2c3d-t2", try_number=2, nodes=2,
                     command=(sys.executable, "-m", "ballast.node", "--job", "/data/it's here; rm -rf ~/job.json"),
-                    env={"WEIRD": "a b $(id) `id` \"q\""}, capacity="on-demand", avoid_hosts=("n2",),
-                    micro_batch_size=16)
+                    env={"WEIRD": "a b $(id) `id` \"q\""}, capacity="on-demand", avoid_hosts=("n2",))
     argv = slurm_script.sbatch_argv(spec, launch, tmp_path / "job.sh", log=tmp_path / "job.log", export=["PATH"])
     assert "--partition=ondemand" in argv and "--exclude=n2" in argv and "--nodes=2" in argv
     assert "--signal=TERM@60" in argv and "--no-requeue" in argv  # the notice: preempt_grace_seconds

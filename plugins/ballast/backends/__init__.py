@@ -43,7 +43,6 @@ class Launch:
     """`default` or `on-demand` (recovery's call after preemptions)."""
     avoid_hosts: tuple[str, ...] = ()
     """Hosts the job must not run on (recovery's avoid list)."""
-    micro_batch_size: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
     """Who it belongs to: dag_id, task_id, run_id (the try number is separate)."""
     shared_path: str | None = None
@@ -107,10 +106,11 @@ def node_command(python: str, job_ref: str) -> tuple[str, ...]:
 
 def launch_for(spec: Spec, settings: TrySettings, *, dag_id: str, run_id: str, task_id: str, try_number: int,
                job_ref: str, python: str = "python", shared_path: str | None = None) -> Launch:
-    """The `Launch` of one try on a cluster backend, with recovery's adaptations (`settings`)."""
+    """The `Launch` of one try on a cluster backend, with recovery's placement (`settings`: capacity, the
+    avoid list); its micro-batch goes to the nodes in the run config alone."""
     return Launch(name=job_name(dag_id, run_id, try_number), try_number=try_number, nodes=spec.training.nodes,
                   command=node_command(python, job_ref), capacity=settings.capacity,
-                  avoid_hosts=tuple(settings.avoid_hosts), micro_batch_size=settings.micro_batch_size,
+                  avoid_hosts=tuple(settings.avoid_hosts),
                   labels={"dag_id": dag_id, "task_id": task_id, "run_id": run_id}, shared_path=shared_path)
 
 
