@@ -27,7 +27,6 @@ OVER_400: dict[str, str] = {}
 # read (or moved) one without the other. Those known when this test was written, being taken apart as it
 # landed; a new one fails the test, a known one may go (then drop it from here).
 KNOWN_LAZY_CYCLES: set[frozenset[str]] = {
-    frozenset({"ballast.stages.train", "ballast.stages.train_remote"}),  # one driver for a try (issue 22)
     frozenset({"ballast.storage", "ballast.storage_s3"}),  # S3Storage named lazily from ballast.storage
 }
 

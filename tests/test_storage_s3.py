@@ -82,7 +82,7 @@ def test_committed_checkpoints_upload_marker_last(bucket, tmp_path):
 
     from ballast.context import RunContext
     from ballast.spec import parse_spec
-    from ballast.stages.train import upload_checkpoints
+    from ballast.stages.train_try import upload_checkpoints
     from helpers import example_data
     from ballast.training import checkpoint as ckpt
 

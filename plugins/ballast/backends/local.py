@@ -48,7 +48,7 @@ class LocalBackend:
 
 def ending(rc: int, *, cancelled: bool = False) -> Ending:
     """torchrun's exit as an `Ending`: a negative code is the signal that ended it; which failure class
-    it was is the failure record's and the log's to say (`ballast.stages.train.failure`)."""
+    it was is the failure record's and the log's to say (`ballast.stages.train_try`)."""
     if cancelled:
         reason = "cancelled (by Ballast)"
     elif rc < 0:

@@ -5,27 +5,25 @@ A try begins by ending whatever an earlier try of this task left running (its le
 try's record if it was killed before writing it, and adapting to the tries before it
 (`ballast.recovery.adapt`: a smaller micro-batch after out-of-memory, the on-demand pool after
 preemptions, an avoid list after a host's failure). It records itself in the attempt history
-(`ballast.recovery.history`) when it starts and when it ends. A training process that shows no
-progress for `execution.hang_timeout_seconds` is ended and reported as a hang. Whether a failure gets
+(`ballast.recovery.history`) when it starts and when it ends. The try itself runs on the spec's backend
+through the one driver (`ballast.stages.train_try`, `ballast.backends.driver`): a training process that
+shows no progress for `execution.hang_timeout_seconds` is ended and reported as a hang. Whether a failure gets
 a new try is the recovery policy's call (`ballast.recovery.policy`, per failure class).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import threading
-from collections import deque
 from pathlib import Path
 
 from ballast import cachedir
 from ballast.context import RunContext
-from ballast.errors import Cancelled, CheckpointError, ConfigError, LaunchError, SpecError, failure_class, training_error
-from ballast.launch_spec import run_config, torchrun_argv
-from ballast.records import BestValidation, RoundResult, TrainResult
+from ballast.errors import Cancelled, CheckpointError, ConfigError, LaunchError, SpecError, failure_class
+from ballast.launch_spec import run_config
+from ballast.records import RoundResult, TrainResult
 from ballast.recovery import adapt, history
-from ballast.recovery.policy import FAILURES_KEY, decide
-from ballast.backends import Launch, driver, job_name
+from ballast.recovery.policy import decide_unseen
+from ballast.backends import driver
 
 
 def run(ctx: RunContext) -> TrainResult:
@@ -100,12 +98,8 @@ def _close_earlier_try(ctx: RunContext, hist, out_dir: Path, ckpt_dir: Path):
     history.save(ctx, hist)
     ctx.log.warning("try %d ended without recording itself: %s (class %s)", closed.try_number, closed.reason,
                     closed.failure_class)
-    failures = dict(ctx.state.get(FAILURES_KEY) or {}) if ctx.state is not None else {}
-    failures.setdefault(str(closed.try_number), closed.failure_class or "unknown")
-    if ctx.state is not None:
-        ctx.state.set(FAILURES_KEY, failures)
-    decision = decide(ctx.spec.recovery, failures[str(closed.try_number)], failures,
-                      try_number=closed.try_number, stage=ctx.task_id or "train")
+    decision = decide_unseen(ctx.spec.recovery, ctx.state, closed.try_number, closed.failure_class or "unknown",
+                             stage=ctx.task_id or "train")
     if not decision.retry:
         raise LaunchError(decision.reason, failure_class="config")  # no budget left: fail, do not retry
     return hist
@@ -201,12 +195,6 @@ def _warm_start(ctx: RunContext, ckpt_dir: Path) -> str | None:
     return str(path)
 
 
-def _warmed_before(ctx: RunContext) -> str | None:
-    """An earlier try or round started from a published model: training still descends from it."""
-    found = sorted((ctx.work_dir / "warm_start").glob("*.pt")) if (ctx.work_dir / "warm_start").is_dir() else []
-    return found[-1].stem if found else None
-
-
 def run_config_model(ctx: RunContext) -> dict:
     """The spec's model section as the trainer would build it (model, input_shape, num_classes, hidden_size)."""
     cfg = run_config(ctx.spec, data_dir=".", data_format=ctx.spec.train_format, checkpoint_dir=".", output_dir=".")
@@ -246,142 +234,8 @@ def _identity(ctx: RunContext):
 
 
 def _train(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, settings: adapt.TrySettings) -> TrainResult:
-    from ballast.training.failure import read_record
+    """This try's training, on the spec's backend through the one driver (`ballast.stages.train_try`)."""
+    from ballast.stages import train_try
 
-    spec = ctx.spec
-    micro = settings.micro_batch_size
-    cfg = _run_config(ctx, cache, out_dir, ckpt_dir, micro)
-    if spec.execution.backend != "local":
-        from ballast.stages.train_remote import train_remote
-
-        # The nodes warm caches of their own; this worker warms the rest of its cache beside the job, for
-        # the stages after training that read it here (verify's probe, evaluate's test split).
-        warmer = _Warmer(ctx) if cache.pending_phases else None
-        try:
-            trained = train_remote(ctx, cfg, out_dir, ckpt_dir, settings)
-        finally:
-            if warmer:
-                warmer.join()
-        if warmer and warmer.error:
-            raise warmer.error
-        return trained
-    config_path = out_dir / "run.json"
-    cfg.dump(config_path)
-    argv = torchrun_argv(spec, config_path, run_id=f"{ctx.dag_id}-{ctx.run_id}")
-    ctx.log.info("launching: %s", " ".join(argv))
-    backend = driver.backend_for(spec, out_dir, ctx.log)
-    launch = Launch(name=job_name(ctx.dag_id, ctx.run_id, ctx.try_number), try_number=ctx.try_number, nodes=1,
-                    command=tuple(argv), micro_batch_size=micro)
-    warmer = _Warmer(ctx) if cache.pending_phases else None
-    tail: deque[str] = deque(maxlen=TAIL_LINES)
-    targets = uploader = None
-    try:
-        targets = _publish_targets(ctx, out_dir)
-        if ctx.storage.local_path(ctx.run_key) is None:  # S3: the stability view reads progress from storage
-            from ballast.outputs_sync import OutputsUpload
-
-            uploader = OutputsUpload(ctx, out_dir)
-            uploader.start()
-        # The trainer's own watchdog (same timeout) fires first and classifies the hang; the driver's
-        # guard catches what it cannot see, such as a group stuck in rendezvous before the first step.
-        end = driver.run(backend, launch, out_dir, ctx.log, hang_timeout=spec.execution.hang_timeout_seconds + 60,
-                         tail=tail, should_stop=(lambda: warmer.error and f"the cache warm-up failed ({warmer.error})")
-                         if warmer else None)
-    finally:
-        if uploader is not None:
-            uploader.finish()
-        if targets is not None:
-            from ballast import prometheus_sd
-
-            prometheus_sd.withdraw(targets)
-        if warmer:
-            warmer.join()
-    if warmer and warmer.error:
-        raise warmer.error  # a damaged shard or a full disk: training could not have finished on this cache
-    if end.exit_code != 0:
-        raise failure(spec, end.exit_code, read_record(out_dir), "\n".join(tail), hung=end.hung,
-                      cancelled=end.cancelled)
-    return result(ctx, cfg, out_dir, ckpt_dir, uploaded=upload_checkpoints(ctx, ckpt_dir))
-
-
-def _publish_targets(ctx: RunContext, out_dir: Path) -> Path | None:
-    """With execution.metrics_port, this try's rank endpoints in Prometheus' discovery directory, at the
-    ports the ranks report in `out_dir` (a failure to write them is a warning: training does not depend
-    on being watched)."""
-    spec = ctx.spec
-    if spec.execution.metrics_port is None:
-        return None
-    from ballast import prometheus_sd
-
-    try:
-        return prometheus_sd.publish(pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id,
-                                     try_number=ctx.try_number, port=spec.execution.metrics_port,
-                                     ranks=spec.training.processes_per_node, out_dir=out_dir)
-    except OSError as exc:
-        ctx.log.warning("could not list the ranks for Prometheus in %s: %s", prometheus_sd.sd_dir(), exc)
-        return None
-
-
-def result(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, *, uploaded: list[str]) -> TrainResult:
-    """The train record of a try that trained to the end (its summary in `out_dir`)."""
-    spec = ctx.spec
-    summary = json.loads((out_dir / "summary.json").read_text())
-    best = BestValidation.model_validate(summary["best"]) if summary["best"] else None
-    ctx.log.info("training done: %d epochs, %d steps, best val %s %.4f at step %s%s", summary["epochs"],
-                 summary["steps"], spec.evaluation.metric, best.value if best else float("nan"),
-                 best.step if best else None, " (stopped early)" if summary["stopped_early"] else "")
-    init = cfg.checkpoint.init_weights
-    return TrainResult(summary=str(out_dir / "summary.json"), checkpoint_dir=str(ckpt_dir),
-                       best_checkpoint=summary["best_checkpoint"], last_checkpoint=summary["last_checkpoint"],
-                       epochs=summary["epochs"], steps=summary["steps"], stopped_early=summary["stopped_early"],
-                       best=best, micro_batch_size=cfg.batch.micro_batch_size, uploaded_checkpoints=uploaded,
-                       warm_started_from=Path(init).stem if init else _warmed_before(ctx))
-
-
-TAIL_LINES = 200  # torchrun's last lines, read for known error messages when a try fails
-
-
-def failure(spec, rc: int, record: dict | None, log_tail: str, *, hung: bool, cancelled: bool) -> BaseException:
-    """The error a failed try ends with: its class from the failure record, torchrun's exit and the
-    log's last lines, through the one table of known messages (training.failure_patterns)."""
-    from ballast.training.failure_patterns import CANCELLED, classify_exit
-
-    outcome = classify_exit(rc, record=record, log_tail=log_tail, hung=hung, cancelled=cancelled)
-    if outcome.failure_class == CANCELLED:
-        return Cancelled(f"training cancelled (torchrun exit {rc})")
-    if hung and record is None:
-        message = (f"training hung: no progress for {spec.execution.hang_timeout_seconds:.0f}s; ended"
-                   f" (execution.hang_timeout_seconds)")
-    elif record is not None:
-        message = (f"training failed on rank {record['rank']} at step {record['step']}: {record['exception']}"
-                   f" (class {outcome.failure_class}: {outcome.reason}; exit code {record['exit_code']})")
-    else:
-        message = f"torchrun exited {rc}: {outcome.reason}" + (f" [{outcome.line.strip()}]" if outcome.line else "")
-    err = training_error(message, outcome.failure_class)
-    err.exit_code, err.host, err.step = rc, (record or {}).get("host"), (record or {}).get("step")  # for the record
-    return err
-
-
-def upload_checkpoints(ctx: RunContext, ckpt_dir: Path) -> list[str]:
-    """Copy committed checkpoints to remote storage (nothing to do when storage is this disk)."""
-    from ballast import checkpoint_sync
-
-    return [] if ctx.storage.local_path(ctx.run_key) is not None else checkpoint_sync.push(ctx, ckpt_dir)
-
-
-class _Warmer(threading.Thread):
-    """The cache's later warm-up phases, warmed beside training on this node; `error` once it failed."""
-
-    def __init__(self, ctx: RunContext):
-        super().__init__(name="warm-cache-rest", daemon=True)
-        self.ctx, self.error, self.result = ctx, None, None
-        self.start()
-
-    def run(self) -> None:
-        from ballast.stages.warm_cache import warm_rest
-
-        try:
-            self.result = warm_rest(self.ctx)
-        except BaseException as exc:  # noqa: BLE001  (reported by the train task)
-            self.ctx.log.error("warming the rest of the cache failed: %s", exc)
-            self.error = exc
+    cfg = _run_config(ctx, cache, out_dir, ckpt_dir, settings.micro_batch_size)
+    return train_try.run(ctx, cache, cfg, out_dir, ckpt_dir, settings)
