@@ -79,7 +79,10 @@ def from_training(exc: TrainingFailure) -> BallastError:
 
 
 def failure_class(exc: BaseException) -> str:
-    """The failure class of an error that ended a task (the recovery policy's key, `recovery.policy`)."""
+    """The failure class of an error that ended a task (the recovery policy's key, `recovery.policy`).
+    A training try's class is not decided here: `training.failure_patterns.classify_exit` decides it and
+    the LaunchError (or ConfigError, DataError) carries it; this names the class of that error and of
+    the orchestrator's own errors (a spec, data or storage problem, a task timeout)."""
     if isinstance(exc, LaunchError):
         return exc.failure_class
     if isinstance(exc, SpecError):
@@ -98,7 +101,9 @@ def failure_class(exc: BaseException) -> str:
 def retry_helps(exc: BaseException, recovery) -> bool:
     """Whether a new try may get past `exc` under `recovery` (the spec's RecoverySpec; the caller
     passes it, so this module imports no spec): its class has a retry budget. A model below the
-    publish threshold never does: a retry trains nothing new."""
+    publish threshold never does: a retry trains nothing new. The runner asks it to fail a task at
+    once; how many tries and when is the retry policy's (`ballast.recovery.policy.decide`), which
+    answers the same for a class with no budget."""
     if isinstance(exc, (QualityGateError, Cancelled)):
         return False
     return recovery.of(failure_class(exc)).retries > 0
