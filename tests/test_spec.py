@@ -221,3 +221,40 @@ def test_every_model_field_is_documented():
 
     walk(Spec, "")
     assert not missing, f"fields without a docstring: {missing}"
+
+
+@pytest.mark.unit
+def test_each_settings_section_reaches_the_run_config_whole():
+    """The spec's training inherits settings sections flat (their fields are its YAML keys); the run config
+    gets each as one section (`Section.section`), every field of it, plus only what the try decided."""
+    from ballast.launch_spec import run_config
+    from ballast.training.config import sections as s
+
+    d = example_data()
+    d["training"].update(seed=7, precision="bf16", parallelism="fsdp", loader_workers=0, loader_prefetch=3,
+                         gpu_memory_fraction=0.5, weight_decay=0.2, dropout=0.3, lr_reference_batch_size=16,
+                         lr_plateau={"patience": 2}, checkpoint={"every_steps": 5}, monitors={"spike_window": 9},
+                         rehearsal={"max_steps": 40})
+    d["evaluation"] = {**d.get("evaluation", {}), "metric": "loss", "mode": "min", "patience": 4, "threshold": 0.5}
+    d["recovery"] = {**d.get("recovery", {}), "preempt_grace_seconds": 30}
+    d["execution"] = {**d.get("execution", {}), "hang_timeout_seconds": 99}
+    spec = parse_spec(d)
+    t = spec.training
+    cfg = run_config(spec, data_dir="/d", data_format="tfrecord", checkpoint_dir="/c", output_dir="/o",
+                     micro_batch_size=4)
+    decided = {"micro_batch_size": 4, "learning_rate": t.effective_learning_rate}  # the try's, not the spec's
+    carried = {s.RunSettings: cfg, s.ModelSettings: cfg.model, s.LoaderSettings: cfg.data, s.BatchSettings: cfg.batch,
+               s.OptimSettings: cfg.optim, s.NumericsSettings: cfg.numerics, s.DistributedSettings: cfg.distributed,
+               s.ResourceSettings: cfg.resources}
+    for cls, got in carried.items():
+        assert got.model_dump(include=set(cls.model_fields)) == {**t.section(cls).model_dump(), **{
+            k: v for k, v in decided.items() if k in cls.model_fields}}, cls.__name__
+    assert cfg.optim.learning_rate != t.learning_rate and cfg.batch.micro_batch_size != t.micro_batch_size
+    assert (cfg.model.dropout, cfg.data.loader_prefetch, cfg.distributed.parallelism) == (0.3, 3, "fsdp")
+    assert cfg.checkpoint.model_dump(include=set(s.CheckpointSettings.model_fields)) == t.checkpoint.model_dump()
+    assert cfg.monitors == t.monitors and cfg.early_stop == spec.evaluation.section(s.EarlyStopSettings)
+    assert cfg.recovery == spec.recovery.section(s.RecoverySettings)
+    assert cfg.execution == spec.execution.section(s.ExecutionSettings)
+    assert cfg.rehearsal.max_steps == 40 and type(t.section(s.BatchSettings)) is s.BatchSettings
+    with pytest.raises(TypeError, match="EvaluationSpec is not built from BatchSettings"):
+        spec.evaluation.section(s.BatchSettings)

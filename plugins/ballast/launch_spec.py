@@ -8,17 +8,15 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Any, TypeVar
-
-from pydantic import BaseModel
+from typing import Any
 
 from ballast.spec import Spec
 from ballast.training.config.run import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig, ModelConfig,
-                                 RehearsalConfig, RunConfig, RunIdentity)
-from ballast.training.config.sections import (EarlyStopSettings, ExecutionSettings, NumericsSettings, OptimSettings,
-                                      RecoverySettings, ResourceSettings)
-
-S = TypeVar("S", bound=BaseModel)
+                                         RehearsalConfig, RunConfig, RunIdentity)
+from ballast.training.config.sections import (BatchSettings, DistributedSettings, EarlyStopSettings, ExecutionSettings,
+                                              LoaderSettings, ModelSettings, NumericsSettings, OptimSettings,
+                                              RecoverySettings, RehearsalSettings, ResourceSettings, RunSettings,
+                                              S, Section)
 
 
 def adapt_micro_batch(spec: Spec, current: int, factor: float) -> int:
@@ -33,38 +31,44 @@ def run_config(spec: Spec, *, data_dir: str, data_format: str, checkpoint_dir: s
                micro_batch_size: int | None = None, data_wait_seconds: float = 0.0,
                faults: tuple | None = None, epochs: int | None = None,
                init_weights: str | None = None, identity: RunIdentity | None = None) -> RunConfig:
-    """The trainer's run config for one try: the spec's sections passed through whole, plus what this
-    try decided (paths, the cache's format, an adapted micro-batch, the rehearsal faults meant for this
-    try: none unless given). A setting added to a section of
-    `training.config.sections` reaches the trainer with no change here."""
+    """The trainer's run config for one try: each of the spec's settings sections passed through whole
+    (`Section.section`: the section as declared in `training.config.sections`, not fields matched by
+    name), plus what this try decided (paths, the cache's format, an adapted micro-batch, the scaled
+    learning rate, the rehearsal faults meant for this try: none unless given). A setting added to a
+    section reaches the trainer with no change here."""
     t = spec.training
     micro = micro_batch_size or t.micro_batch_size
     feature = spec.dataset.features[0]
     return RunConfig(
-        epochs=epochs or t.epochs, seed=t.seed, output_dir=output_dir,
-        model=_section(ModelConfig, t, input_shape=feature.shape or (1,), num_classes=spec.dataset.num_classes),
-        data=_section(DataConfig, t, directory=data_dir, format=data_format, feature=feature.name,
-                      label=spec.dataset.label, wait_seconds=data_wait_seconds),
-        batch=_section(BatchConfig, t, micro_batch_size=micro,
-                       grad_accum_steps=t.grad_accum_for(micro)),
-        optim=_section(OptimSettings, t, learning_rate=t.effective_learning_rate),
-        numerics=_section(NumericsSettings, t),
-        distributed=_section(DistributedConfig, t),
-        resources=_section(ResourceSettings, t),
-        checkpoint=_section(CheckpointConfig, t.checkpoint, directory=checkpoint_dir, init_weights=init_weights),
+        **_extend(RunSettings, t.section(RunSettings), epochs=epochs or t.epochs).model_dump(),
+        output_dir=output_dir,
+        model=_extend(ModelConfig, t.section(ModelSettings), input_shape=feature.shape or (1,),
+                      num_classes=spec.dataset.num_classes),
+        data=_extend(DataConfig, t.section(LoaderSettings), directory=data_dir, format=data_format,
+                     feature=feature.name, label=spec.dataset.label, wait_seconds=data_wait_seconds),
+        batch=_extend(BatchConfig, t.section(BatchSettings), micro_batch_size=micro,
+                      grad_accum_steps=t.grad_accum_for(micro)),
+        optim=_extend(OptimSettings, t.section(OptimSettings), learning_rate=t.effective_learning_rate),
+        numerics=t.section(NumericsSettings),
+        distributed=_extend(DistributedConfig, t.section(DistributedSettings)),
+        resources=t.section(ResourceSettings),
+        checkpoint=_extend(CheckpointConfig, t.checkpoint, directory=checkpoint_dir, init_weights=init_weights),
         monitors=t.monitors,
-        early_stop=_section(EarlyStopSettings, spec.evaluation),
-        recovery=_section(RecoverySettings, spec.recovery),
-        execution=_section(ExecutionSettings, spec.execution),
-        rehearsal=_section(RehearsalConfig, t.rehearsal, faults=tuple(faults or ()), env_faults=bool(faults)),
+        early_stop=spec.evaluation.section(EarlyStopSettings),
+        recovery=spec.recovery.section(RecoverySettings),
+        execution=spec.execution.section(ExecutionSettings),
+        rehearsal=_extend(RehearsalConfig, t.rehearsal.section(RehearsalSettings), faults=tuple(faults or ()),
+                          env_faults=bool(faults)),
         identity=identity or RunIdentity(pipeline=spec.name),
     )
 
 
-def _section(cls: type[S], source: BaseModel, **extra: Any) -> S:
-    """An exact `cls` from the fields `source` (a spec section built from it) shares with it, plus `extra`."""
-    shared = (cls.model_fields.keys() & type(source).model_fields.keys()) - extra.keys()
-    return cls.model_validate({**source.model_dump(include=shared), **extra})
+def _extend(cls: type[S], settings: Section, **decided: Any) -> S:
+    """`cls` (the section itself, or a run-config section extending it with what a try decides) from the
+    whole section `settings`, with `decided` set; validated again."""
+    if type(settings) not in cls.__mro__:
+        raise TypeError(f"{cls.__name__} does not extend {type(settings).__name__}")
+    return cls.model_validate({**settings.model_dump(), **decided})
 
 
 def torchrun_argv(spec: Spec, config_path: str | Path, *, python: str = sys.executable,

@@ -12,7 +12,7 @@ pydantic only: no torch, no Airflow, no `ballast`. The spec imports this module 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -62,6 +62,17 @@ class Section(BaseModel):
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         docstrings.apply(cls)
+
+    def section(self, cls: type[S]) -> S:
+        """The settings section `cls` that this model is built from (one of its bases), whole: every field
+        `cls` declares, with this model's values. The spec's `training` inherits several sections flat
+        (their fields are its YAML keys); this is how each reaches the run config as one section."""
+        if not isinstance(self, cls):
+            raise TypeError(f"{type(self).__name__} is not built from {cls.__name__}")
+        return cls.model_validate(self.model_dump(include=set(cls.model_fields)))
+
+
+S = TypeVar("S", bound=Section)
 
 
 # --- model -------------------------------------------------------------------------------------------
