@@ -3,9 +3,10 @@ a checkpoint is pushed files first, then manifest.json, then COMMITTED, and pull
 reader on either side applies the same predicate. Nothing to do when storage is a path (a shared file
 system): training commits there directly.
 
-What decides validity is `training.checkpoint.verify` (the marker, and every file matching the
-manifest's size and sha256), as on resume: a checkpoint is pushed only once it verifies on this disk,
-and a pulled copy is used only once it verifies here. In storage, where reading every file back would
+A checkpoint is pushed only once it passes the integrity check `training.checkpoint.verify` (the marker,
+and every file matching the manifest's size and sha256) on this disk, and a pulled copy is used only once
+it passes here: what a node resumes from, the one validity predicate as on resume
+(`training.checkpoint.gate.check`), any other copy `verify`. In storage, where reading every file back would
 cost a download, a checkpoint counts as committed when its marker and manifest are there and every
 file the manifest lists is present (`stored_files`); the push verified it, the pull verifies it again.
 

@@ -12,7 +12,7 @@ changes only its directories (`node_config`). Each node then, on its own:
    node pulls the checkpoint it resumes from (only that one) and pushes each newly committed one back
    (files, then manifest, then the COMMITTED marker; storage pruned to keep_last), while training runs
    and once it ends;
-3. runs the torchrun launcher (`training.launch`) with the c10d rendezvous endpoint of node 0
+3. runs the torchrun launcher (`ballast.training.launch`) with the c10d rendezvous endpoint of node 0
    ($BALLAST_RDZV_ENDPOINT) and exits with its exit code, after its failure record and summary are in
    storage.
 
