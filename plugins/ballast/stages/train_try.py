@@ -13,7 +13,6 @@ system they are written there). How the try ended is decided for every backend a
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import deque
 from pathlib import Path
@@ -175,16 +174,18 @@ def _publish_targets(ctx: RunContext, out_dir: Path) -> Path | None:
 
 def result(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, *, uploaded: list[str]) -> TrainResult:
     """The train record of a try that trained to the end (its summary in `out_dir`)."""
+    from ballast.training.outputs import SUMMARY, read_summary
+
     spec = ctx.spec
-    summary = json.loads((out_dir / "summary.json").read_text())
-    best = BestValidation.model_validate(summary["best"]) if summary["best"] else None
-    ctx.log.info("training done: %d epochs, %d steps, best val %s %.4f at step %s%s", summary["epochs"],
-                 summary["steps"], spec.evaluation.metric, best.value if best else float("nan"),
-                 best.step if best else None, " (stopped early)" if summary["stopped_early"] else "")
+    summary = read_summary(out_dir)
+    best = BestValidation.model_validate(summary.best) if summary.best else None
+    ctx.log.info("training done: %d epochs, %d steps, best val %s %.4f at step %s%s", summary.epochs,
+                 summary.steps, spec.evaluation.metric, best.value if best else float("nan"),
+                 best.step if best else None, " (stopped early)" if summary.stopped_early else "")
     init = cfg.checkpoint.init_weights
-    return TrainResult(summary=str(out_dir / "summary.json"), checkpoint_dir=str(ckpt_dir),
-                       best_checkpoint=summary["best_checkpoint"], last_checkpoint=summary["last_checkpoint"],
-                       epochs=summary["epochs"], steps=summary["steps"], stopped_early=summary["stopped_early"],
+    return TrainResult(summary=str(out_dir / SUMMARY), checkpoint_dir=str(ckpt_dir),
+                       best_checkpoint=summary.best_checkpoint, last_checkpoint=summary.last_checkpoint,
+                       epochs=summary.epochs, steps=summary.steps, stopped_early=summary.stopped_early,
                        best=best, micro_batch_size=cfg.batch.micro_batch_size, uploaded_checkpoints=uploaded,
                        warm_started_from=Path(init).stem if init else _warmed_before(ctx))
 
