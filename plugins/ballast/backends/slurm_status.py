@@ -34,8 +34,9 @@ def first_node(nodelist: str) -> str | None:
     return (m.group(1) + (m.group(2) or "")) if m else None
 
 
-def ending(fields: dict[str, str], *, cancelled_by_us: bool = False) -> Ending | None:
-    """The ending of a job from its fields (JobState, Reason, ExitCode, NodeList); None while it runs."""
+def ending(fields: dict[str, str]) -> Ending | None:
+    """The ending of a job from its fields (JobState, Reason, ExitCode, NodeList); None while it runs. A job
+    cancelled by someone else is the platform's ending (a cancel of Ballast's own is the driver's to say)."""
     state = fields.get("JobState", "").split()[0] if fields.get("JobState") else ""
     if state not in TERMINAL:
         return None
@@ -50,7 +51,4 @@ def ending(fields: dict[str, str], *, cancelled_by_us: bool = False) -> Ending |
     said = state + (f" ({reason})" if reason not in ("None", "") else "")
     if state == "COMPLETED":
         return Ending(exit_code, host=host, reason=said)
-    if state == "CANCELLED":
-        return Ending(exit_code, host=host, reason=said, cancelled=cancelled_by_us,
-                      failure_class=None if cancelled_by_us else platform_class("slurm", state))
     return Ending(exit_code, host=host, reason=said, failure_class=platform_class("slurm", state))
