@@ -109,3 +109,23 @@ def test_max_bytes_covers_the_whole_cache_evicting_the_least_recently_used_datas
     with cachedir.in_use(busy), pytest.raises(StorageError, match=r"cache\.max_bytes: .* in use"):
         warm_cache.warm(tight, [0, 1])
     assert busy.exists()
+
+
+def test_a_dataset_evicted_between_warm_up_and_training_is_warmed_again(tmp_path, digits_raw):
+    """Nothing holds a dataset between the warm_cache task and the train task: the train task, holding it
+    now, finds it gone and warms its first phase again instead of training on missing shards."""
+    import logging
+
+    from ballast.stages import train
+
+    ctx = make_ctx(tmp_path, digits_raw)
+    cache = run_chain(ctx, validate, convert, warm_cache)["warm_cache"]
+    used, busy = cachedir.make_room(ctx.cache_root, keep=tmp_path / "other", need=1, budget=0,
+                                    log=logging.getLogger("test"))
+    assert not Path(cache.cache_dir).exists() and used == 0 and not busy  # evicted: no try held it
+    with cachedir.in_use(Path(cache.cache_dir)):
+        train.rewarm_if_evicted(ctx, cache)
+    manifest = Path(cache.cache_dir) / "manifest.json"
+    assert manifest.is_file()
+    again = warm_cache.warm(ctx, [0])
+    assert again.phases[0].downloaded == 0  # phase 1 is all there again, verified

@@ -45,7 +45,20 @@ def run(ctx: RunContext) -> TrainResult:
                      settings.capacity, list(settings.avoid_hosts) or "none")
     _archive_failure_record(out_dir)
     with cachedir.in_use(Path(cache.cache_dir)):  # no other run's warm-up evicts what this try gates on and reads
+        rewarm_if_evicted(ctx, cache)
         return _try(ctx, cache, hist, settings, notes, out_dir, ckpt_dir)
+
+
+def rewarm_if_evicted(ctx: RunContext, cache) -> None:
+    """Between the warm_cache task and this one nothing holds the dataset: another run's warm-up may have
+    evicted it (an eviction moves the whole directory away, its manifest with it). Warm its first phase
+    again, now under this try's hold; the train task warms the rest beside training as always."""
+    if not (Path(cache.cache_dir) / "manifest.json").is_file():
+        from ballast.stages.warm_cache import warm
+
+        ctx.log.warning("the cached dataset %s is gone (evicted for another run's?): warming it again",
+                        cache.cache_dir)
+        warm(ctx, [0])
 
 
 def _try(ctx: RunContext, cache, hist, settings, notes, out_dir: Path, ckpt_dir: Path) -> TrainResult:
