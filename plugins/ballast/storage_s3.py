@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from ballast.errors import StorageError
-from ballast.storage import Storage, _limited, _listed, _listing, safe_key
+from ballast.storage_base import Storage, is_listed, limited, listing_prefix, safe_key
 
 
 class S3Storage(Storage):
@@ -118,12 +118,12 @@ class S3Storage(Storage):
         self._call("delete", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
 
     def list(self, directory: str, *, name_prefix: str = "", limit: int | None = None) -> Iterator[str]:
-        d = _listing(directory, name_prefix, limit)
-        return _limited(self._list(d, name_prefix, limit, delimiter=False), limit)
+        d = listing_prefix(directory, name_prefix, limit)
+        return limited(self._list(d, name_prefix, limit, delimiter=False), limit)
 
     def list_dir(self, directory: str, *, name_prefix: str = "", limit: int | None = None) -> Iterator[str]:
-        d = _listing(directory, name_prefix, limit)
-        return _limited(self._list(d, name_prefix, limit, delimiter=True), limit)
+        d = listing_prefix(directory, name_prefix, limit)
+        return limited(self._list(d, name_prefix, limit, delimiter=True), limit)
 
     def _list(self, d: str, name_prefix: str, limit: int | None, *, delimiter: bool) -> Iterator[str]:
         """Keys under directory `d` (with `delimiter`: names of its entries), one page at a time."""
@@ -146,7 +146,7 @@ class S3Storage(Storage):
             dirs = (p["Prefix"] for p in page.get("CommonPrefixes", []))
             for key in heapq.merge(keys, dirs):  # a page is one range of keys: each part is in key order
                 rel = key[len(root):]
-                if _listed(rel.rstrip("/") if delimiter else rel):
+                if is_listed(rel.rstrip("/") if delimiter else rel):
                     yield key[strip:]
 
 
