@@ -65,7 +65,7 @@ def _unit_tests_stay_in_process(request, monkeypatch):
 @pytest.fixture(scope="session")
 def airflow_db():
     """A migrated SQLite metadata DB under the session's AIRFLOW_HOME."""
-    from ballast.localrun import migrate_db
+    from ballast.dev.dag_run import migrate_db
 
     migrate_db()
     return Path(os.environ["AIRFLOW_HOME"])
@@ -74,7 +74,7 @@ def airflow_db():
 @pytest.fixture(scope="session")
 def digits_raw() -> Path:
     """The digits demo data where the example spec expects it (BALLAST_HOME/raw/digits)."""
-    from ballast.demo import write_digits
+    from ballast.data.demo import write_digits
     from ballast.storage import resolve_local
 
     dest = resolve_local("raw/digits")

@@ -18,8 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
-from ballast.context import RunContext
-from ballast.launch_spec import run_config
+from ballast.pipeline.context import RunContext
+from ballast.launch.config import run_config
 from ballast.records import Record, WarmCacheResult
 from ballast.spec import parse_spec
 from ballast.stages import warm_cache

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ballast import cachedir
+from ballast.storage import cache_dir as cachedir
 from ballast.errors import StorageError
 from ballast.stages import convert, validate, warm_cache
 from helpers import make_ctx, run_chain

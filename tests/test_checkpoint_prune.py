@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from test_storage_s3 import bucket, s3_endpoint, s3_env  # noqa: F401  (moto's server on loopback)
 
-from ballast import checkpoint_sync
-from ballast.context import RunContext
+from ballast.storage import checkpoints as checkpoint_sync
+from ballast.pipeline.context import RunContext
 from ballast.spec import parse_spec
 from helpers import example_data
 from ballast.training import checkpoint as ckpt

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from ballast.plan import STAGES, UPSTREAM, build_plan
+from ballast.pipeline.plan import STAGES, UPSTREAM, build_plan
 from ballast.spec import load_spec
 from helpers import EXAMPLE_SPEC, ROOT, write_spec
 
@@ -148,7 +148,7 @@ def test_training_package_never_imports_airflow():
 @pytest.mark.integration
 def test_the_node_program_never_imports_airflow():
     """What a training pod runs (docker/training.Dockerfile has no Airflow)."""
-    probe = ("import sys, ballast.node, ballast.stages.warm_cache, ballast.checkpoint_sync, ballast.launch_spec\n"
+    probe = ("import sys, ballast.node, ballast.stages.warm_cache, ballast.storage.checkpoints, ballast.launch.config\n"
              "print([m for m in sys.modules if m.split('.')[0] == 'airflow'])")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -12,7 +12,7 @@ import urllib.error
 from urllib.parse import quote
 
 import pytest
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.spec import load_spec
 from helpers import EXAMPLE_SPEC
 
@@ -39,7 +39,7 @@ def effective_spec(run_id: str) -> dict:
 
 
 def test_example_dag_runs_end_to_end_with_dag_test(airflow_db, digits_raw):
-    from ballast.localrun import run_dag
+    from ballast.dev.dag_run import run_dag
 
     dr = run_dag("ballast_digits", {"epochs": 15})
     assert str(dr.state) == "success"
@@ -64,7 +64,7 @@ def _free_port() -> int:
 
 
 def test_trigger_through_rest_api_with_changed_parameter(airflow_db, digits_raw, tmp_path):
-    from ballast.localstack import LocalStack
+    from ballast.dev.stack import LocalStack
 
     with LocalStack(_free_port(), log_dir=tmp_path / "logs") as stack:
         dag = stack.wait_for_dag("ballast_digits", timeout=180)
@@ -108,10 +108,10 @@ def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_traine
     """The issue's own trial, on the LocalExecutor: SIGKILL the task process that runs `train`; its
     torchrun group must end with it (not at its next log line), the next try must start clean; then
     mark the run failed from the REST API: the cancel is recorded and nothing of the try is left."""
-    from ballast.localstack import LocalStack
+    from ballast.dev.stack import LocalStack
     from ballast.recovery import history
-    from ballast.backends.driver import CANCELLED
-    from ballast.supervise import group_members, read_lease
+    from ballast.launch.driver import CANCELLED
+    from ballast.launch.process import group_members, read_lease
 
     spec = load_spec(EXAMPLE_SPEC)
     with LocalStack(_free_port(), log_dir=tmp_path / "logs") as stack:

@@ -232,7 +232,7 @@ def test_the_root_cause_wins_over_what_it_causes_in_other_ranks():
 
 def test_classes_exit_codes_and_retries():
     assert set(tf.EXIT_CODES) == set(tf.FAILURE_CLASSES) - {"unknown"}
-    assert tf.EXIT_CODES["hardware"] == 74 and "hardware" in tf.RETRYABLE and "unknown" not in tf.RETRYABLE
+    assert tf.EXIT_CODES["hardware"] == 74 and "unknown" not in tf.EXIT_CODES
     assert len(set(tf.EXIT_CODES.values())) == len(tf.EXIT_CODES)
 
 
@@ -255,7 +255,7 @@ def test_the_trainer_classifies_exceptions_through_the_same_table(exc, cls):
 
 def test_a_hardware_failure_record_says_so(tmp_path):
     rec = tf.write_record(tmp_path, RuntimeError("CUDA error: uncorrectable ECC error encountered"), step=3, rank=1)
-    assert (rec["class"], rec["exit_code"], rec["retryable"]) == ("hardware", 74, True)
+    assert (rec["class"], rec["exit_code"]) == ("hardware", 74) and "retryable" not in rec  # the policy decides
 
 
 ECC = "RuntimeError: CUDA error: uncorrectable ECC error encountered"

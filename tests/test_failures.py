@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import ballast.training.failure as tf
 from ballast import errors
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.records import CheckedCheckpoint, TrainResult, VerifyResult, WarmCacheResult
-from ballast.runner import run_stage
+from ballast.pipeline.runner import run_stage
 from ballast.spec import RecoverySpec, parse_spec
 from ballast.stages import convert, evaluate, validate, verify_checkpoint, warm_cache
 from helpers import example_data
@@ -147,7 +147,7 @@ def test_training_failures_are_translated_once_by_class(failure, error, retried)
     exc = getattr(tf, failure)("run.json: something\n  on a second line")
     out = errors.from_training(exc)
     assert type(out).__name__ == error and str(out) == "run.json: something on a second line"
-    assert errors.retry_helps(out, RecoverySpec()) is retried
+    assert _retried(out) is retried
     if isinstance(out, errors.LaunchError):
         assert out.failure_class == exc.failure_class
 
@@ -156,14 +156,21 @@ def test_training_failures_are_translated_once_by_class(failure, error, retried)
 @pytest.mark.parametrize("cls,retried", [("user_code", False), ("oom", True), ("communication", True),
                                          ("hang", True), ("unknown", True)])
 def test_launch_failures_are_retried_by_class(cls, retried):
-    assert errors.retry_helps(errors.training_error("training failed", cls), RecoverySpec()) is retried
+    assert _retried(errors.training_error("training failed", cls)) is retried
+
+
+def _retried(exc: BaseException) -> bool:
+    """What the one decision place (the stage's retry policy) answers for a first failure `exc`."""
+    from ballast.recovery.policy import StageRetryPolicy
+
+    decision = StageRetryPolicy(RecoverySpec().model_dump(mode="json"), "train").evaluate(exc, 1, 10)
+    return decision.action.value == "retry"
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("failure_class,fails_fast", [("data", True), ("communication", False)])
-def test_the_runner_fails_fast_or_hands_back_for_a_retry(tmp_path, monkeypatch, failure_class, fails_fast):
-    from airflow.sdk.exceptions import AirflowFailException
-
+def test_the_runner_hands_the_error_to_the_retry_policy_which_fails_fast_or_retries(tmp_path, monkeypatch,
+                                                                                     failure_class, fails_fast):
     from ballast.stages import publish
 
     def boom(ctx):
@@ -171,6 +178,7 @@ def test_the_runner_fails_fast_or_hands_back_for_a_retry(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(publish, "run", boom)
     d = spec_data(tmp_path, tmp_path / "raw")
-    expected = AirflowFailException if fails_fast else errors.LaunchError
-    with pytest.raises(expected, match=r"/ckpt/step-00000010/model\.pt: broken"):
+    expected = errors.DataError if fails_fast else errors.LaunchError
+    with pytest.raises(expected, match=r"/ckpt/step-00000010/model\.pt: broken") as info:
         run_stage("publish", spec_data=d, spec_file="digits.yaml", context=airflow_context())
+    assert _retried(info.value) is not fails_fast

@@ -10,8 +10,9 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 import yaml
-from ballast.backends import k8s_manifests, k8s_status, launch_for
-from ballast.backends.preview import earlier_tries
+from ballast.launch import launch_for
+from ballast.launch.kubernetes import manifests as k8s_manifests, status as k8s_status
+from ballast.launch.preview import earlier_tries
 from ballast.recovery import adapt
 from ballast.errors import SpecError
 from ballast.spec import parse_spec
@@ -176,7 +177,7 @@ def test_try_two_after_a_hang_avoids_the_host_and_after_an_oom_has_the_smaller_m
 
 @pytest.mark.unit
 def test_the_smaller_micro_batch_after_an_oom_reaches_the_node_in_the_run_config_alone(tmp_path, monkeypatch):
-    from ballast.launch_spec import run_config
+    from ballast.launch.config import run_config
     from ballast.node import NodeJob, node_config
 
     spec = k8s_spec(nodes=4)
@@ -200,7 +201,7 @@ def test_the_smaller_micro_batch_after_an_oom_reaches_the_node_in_the_run_config
 
 @pytest.mark.unit
 def test_render_prints_the_manifests_as_yaml(tmp_path, capsys):
-    from ballast.cli import main
+    from ballast.dev.cli import main
 
     data = example_data()
     data["execution"] = {"backend": "kubernetes", "kubernetes": {"image": "ballast-training:1", "pools": POOLS,
@@ -423,7 +424,7 @@ def job_pod(labels, index, phase, **status):
 def test_the_backend_deletes_a_cancelled_job_and_its_service_and_ignores_another_trys_pods():
     import logging
 
-    from ballast.backends.kubernetes import KubernetesBackend
+    from ballast.launch.kubernetes import KubernetesBackend
 
     spec = k8s_spec(nodes=2)
     api = FakeAPI()
@@ -446,7 +447,7 @@ def test_the_backend_deletes_a_cancelled_job_and_its_service_and_ignores_another
 def test_a_failed_job_reports_its_pods_reason_and_is_deleted_unless_kept():
     import logging
 
-    from ballast.backends.kubernetes import KubernetesBackend
+    from ballast.launch.kubernetes import KubernetesBackend
 
     for keep in (False, True):
         spec = k8s_spec(nodes=2, keep_failed_pods=keep)
@@ -468,7 +469,7 @@ def test_a_failed_job_reports_its_pods_reason_and_is_deleted_unless_kept():
 
 @pytest.fixture
 def clock(monkeypatch):
-    from ballast.backends import kubernetes
+    from ballast.launch import kubernetes
 
     fake = FakeClock()
     monkeypatch.setattr(kubernetes, "time", fake)
@@ -480,8 +481,8 @@ def clock(monkeypatch):
 def test_a_stopped_try_returns_once_its_pods_are_gone_and_the_next_try_starts_after(tmp_path, clock, nodes):
     import logging
 
-    from ballast.backends import driver
-    from ballast.backends.kubernetes import KubernetesBackend
+    from ballast.launch import driver
+    from ballast.launch.kubernetes import KubernetesBackend
 
     spec = k8s_spec(nodes=nodes)  # preempt_grace_seconds 90: the pods' terminationGracePeriodSeconds
     api = FakeAPI(clock, linger=40)  # the trainers take 40 s of their grace to commit a checkpoint
@@ -505,8 +506,8 @@ def test_pods_that_outlive_their_grace_keep_the_lease_and_the_next_try_waits_for
                                                                                        monkeypatch):
     import logging
 
-    from ballast.backends import driver
-    from ballast.backends.kubernetes import STOP_MARGIN_SECONDS, KubernetesBackend
+    from ballast.launch import driver
+    from ballast.launch.kubernetes import STOP_MARGIN_SECONDS, KubernetesBackend
     from ballast.errors import LaunchError
 
     spec = k8s_spec(nodes=2)

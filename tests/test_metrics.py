@@ -11,8 +11,8 @@ import time
 import urllib.request
 
 import pytest
-import ballast.training.metrics
-from ballast.training.metrics import ScoreSums, classification_sums, improved, per_class_accuracy, reaches
+import ballast.training.scores
+from ballast.training.scores import ScoreSums, classification_sums, improved, per_class_accuracy, reaches
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +66,7 @@ def test_reaches_includes_the_threshold(value, threshold, mode, expected):
 
 
 def test_the_metrics_module_imports_no_torch_at_module_level():
-    tree = ast.parse(inspect.getsource(ballast.training.metrics))
+    tree = ast.parse(inspect.getsource(ballast.training.scores))
     top = [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
     top += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
     assert not [m for m in top if m.split(".")[0] == "torch"]
@@ -92,7 +92,7 @@ def test_a_metrics_port_in_use_is_a_warning_and_another_port_the_rank_reports(tm
 
 
 def test_discovery_lists_the_ports_the_ranks_bound(tmp_path, monkeypatch):
-    from ballast import prometheus_sd
+    from ballast.launch import prometheus_sd
 
     monkeypatch.setenv("BALLAST_PROMETHEUS_SD_DIR", str(tmp_path / "targets"))
     out = tmp_path / "out"

@@ -31,7 +31,7 @@ def test_bad_notification_sections_get_one_line(section, message):
 
 @pytest.mark.unit
 def test_a_notification_that_cannot_be_composed_is_one_log_line_and_no_exception(logged):
-    from ballast.notify import StageNotifier
+    from ballast.airflow.notify import StageNotifier
 
     data = {**example_data(), "notifications": {"webhook": {"conn_id": "hook"}}}
     StageNotifier(event="failure", stage="train", spec_data=data, spec_file="x.yaml").notify({})  # no task instance
@@ -42,7 +42,7 @@ def test_a_notification_that_cannot_be_composed_is_one_log_line_and_no_exception
 
 @pytest.mark.unit
 def test_the_email_escapes_what_the_failure_says():
-    from ballast.notify import html_body, subject
+    from ballast.airflow.notify import html_body, subject
 
     msg = {"event": "failure", "pipeline": "digits", "dag_id": "ballast_digits", "run_id": "r1", "task_id": "train",
            "stage": "train", "try_number": 3, "max_tries": 3, "failure_class": "oom", "reason": "<script>x</script>",
@@ -76,11 +76,11 @@ class _Hook(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def logged():
-    """What ballast.notify logs (Airflow's own log set-up writes past pytest's capture)."""
+    """What ballast.airflow.notify logs (Airflow's own log set-up writes past pytest's capture)."""
     handler = _Lines()
-    logging.getLogger("ballast.notify").addHandler(handler)
+    logging.getLogger("ballast.airflow.notify").addHandler(handler)
     yield handler
-    logging.getLogger("ballast.notify").removeHandler(handler)
+    logging.getLogger("ballast.airflow.notify").removeHandler(handler)
 
 
 @pytest.fixture

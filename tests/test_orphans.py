@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from ballast.backends import Launch
-from ballast.backends.driver import CANCELLED, read_cancel, stop_all, was_cancelled
-from ballast.backends.driver import run as run_try
-from ballast.backends.local import LocalBackend
-from ballast.supervise import LEASE, LEASE_ENV, end_leftovers, group_members, read_lease
+from ballast.launch import Launch
+from ballast.launch.driver import CANCELLED, read_cancel, stop_all, was_cancelled
+from ballast.launch.driver import run as run_try
+from ballast.launch.local import LocalBackend
+from ballast.launch.process import LEASE, LEASE_ENV, end_leftovers, group_members, read_lease
 from helpers import config, free_port
 from ballast.training.parentdeath import proc_stat
 
@@ -51,8 +51,8 @@ def two_ranks(d: dict) -> None:
 
 
 def launch_argv(cfg: Path) -> list[str]:
-    """What the train stage runs (ballast.launch_spec.torchrun_argv), for one node of two ranks."""
-    return [sys.executable, "-m", "ballast.training.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+    """What the train stage runs (ballast.launch.config.torchrun_argv), for one node of two ranks."""
+    return [sys.executable, "-m", "ballast.training.torchrun", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
             "--monitor-interval=0.5", "--standalone", "--module", "ballast.training", "--config", str(cfg)]
 
 
@@ -97,9 +97,9 @@ def heartbeat_step(out: Path) -> int:
 TASK_RUNNER = r"""
 import logging, sys
 from pathlib import Path
-from ballast.backends import Launch
-from ballast.backends.driver import run
-from ballast.backends.local import LocalBackend
+from ballast.launch import Launch
+from ballast.launch.driver import run
+from ballast.launch.local import LocalBackend
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 log, out = logging.getLogger("task"), Path(sys.argv[1])
@@ -320,7 +320,7 @@ def test_d_ballast_ui_stopped_by_a_signal_leaves_no_airflow_process(tmp_path, si
     fake.write_text(FAKE_AIRFLOW)
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    script = (f"import sys; from ballast.localstack import serve; sys.exit(serve({free_port()},"
+    script = (f"import sys; from ballast.dev.stack import serve; sys.exit(serve({free_port()},"
               f" airflow=[sys.executable, {str(fake)!r}], log_dir={str(tmp_path / 'logs')!r}))")
     ui = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, FAKE_PIDS=str(pids_dir)),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -376,7 +376,7 @@ def test_the_local_backend_behind_the_cluster_backends_interface(tmp_path):
     import sys
     import threading
 
-    from ballast.backends.driver import run, stop_all
+    from ballast.launch.driver import run, stop_all
 
     backend = LocalBackend(tmp_path, logging.getLogger("test"))
     code = "import os, signal; print('step', os.environ['X']); os.kill(os.getpid(), signal.SIGKILL)"

@@ -1,7 +1,7 @@
 """Run parameters: a typo or a bad value gets one clear line, never a silent default or a traceback.
 
 Three paths: `ballast demo --conf` (refused before any run exists), `dag.test()` with a conf (through
-ballast.localrun.run_dag), and the REST trigger (tests/test_e2e.py, with the real API server)."""
+ballast.dev.dag_run.run_dag), and the REST trigger (tests/test_e2e.py, with the real API server)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ALLOWED = "allowed: epochs, learning_rate, micro_batch_size, patience"
 
 
 def _demo(*conf: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ballast.cli", "demo", "--conf", *conf], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ballast.dev.cli", "demo", "--conf", *conf], capture_output=True,
                           text=True, timeout=120)
 
 
@@ -54,7 +54,7 @@ def test_demo_refuses_bad_parameters_in_one_line_before_any_run(conf, pattern):
 @pytest.mark.e2e
 def test_dag_test_refuses_an_unknown_key_at_the_first_task_and_a_bad_value_before_the_run(airflow_db, digits_raw,
                                                                                             capfd):
-    from ballast.localrun import run_dag
+    from ballast.dev.dag_run import run_dag
 
     with pytest.raises(SpecError, match=r"digits\.yaml \(with run parameters\): training\.epochs: must be >= 1"
                                         r" \(got 0\)$"):

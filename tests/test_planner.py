@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ballast import planner
-from ballast.cli import main
-from ballast.planner import FailureModel, PlanError, closed_forms, optimal_interval, predict_ratio
+from ballast.dev import scale_plan as planner
+from ballast.dev.cli import main
+from ballast.dev.scale_plan import FailureModel, PlanError, closed_forms, optimal_interval, predict_ratio
 
 pytestmark = pytest.mark.unit
 

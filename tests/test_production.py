@@ -12,7 +12,7 @@ import time
 import urllib.error
 
 import pytest
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.spec import load_spec
 from helpers import EXAMPLE_SPEC, free_port
 from prod_services import Postgres, Redis, missing
@@ -56,9 +56,9 @@ def production_env(pg: Postgres, redis: Redis) -> dict[str, str]:
 
 def test_trigger_on_postgres_and_celery_survives_a_scheduler_restart_without_duplicate_training(
         airflow_db, digits_raw, tmp_path):
-    from ballast.localstack import LocalStack
+    from ballast.dev.stack import LocalStack
     from ballast.recovery import history
-    from ballast.supervise import read_lease
+    from ballast.launch.process import read_lease
 
     if why := missing():
         pytest.skip(why)

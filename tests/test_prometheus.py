@@ -10,7 +10,6 @@ import subprocess
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from helpers import ROOT, free_port

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.errors import BallastError
-from ballast.plan import STAGE_MODULES
+from ballast.pipeline.plan import STAGE_MODULES
 from ballast.records import (RECORDS, CheckedCheckpoint, ConvertResult, RunReport, StageRecords, TrainResult,
                              ValidateResult, VerifyResult, WarmCacheResult, WarmUpPhase)
 from ballast.spec import parse_spec

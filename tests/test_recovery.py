@@ -183,7 +183,7 @@ def test_bad_rehearsal_faults_are_one_line_errors(rehearsal, pattern):
 
 @pytest.mark.unit
 def test_rehearsal_faults_add_a_trigger_parameter_off_by_default():
-    from ballast.plan import build_plan
+    from ballast.pipeline.plan import build_plan
 
     d = example_data()
     d["training"]["rehearsal"] = {"faults": [{"kind": "oom", "step": 5}]}
@@ -219,7 +219,7 @@ def test_preflight_refuses_a_disk_without_room_for_two_checkpoints_as_hardware(t
 
 @pytest.mark.unit
 def test_rounds_become_task_groups_with_a_test_evaluate_that_outlives_skipped_rounds():
-    from ballast.plan import build_plan
+    from ballast.pipeline.plan import build_plan
 
     d = example_data()
     d["training"].update(epochs=30, rounds=3)

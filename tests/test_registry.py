@@ -7,8 +7,8 @@ import hashlib
 import json
 
 import pytest
-from ballast import registry
-from ballast.context import RunContext
+from ballast.storage import models as registry
+from ballast.pipeline.context import RunContext
 from ballast.errors import BallastError
 from ballast.spec import parse_spec
 from helpers import example_data

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from ballast.context import RunContext, legacy_run_id, run_key_for_reading, safe_run_id
+from ballast.pipeline.context import RunContext, legacy_run_id, run_key_for_reading, safe_run_id
 from ballast.errors import BallastError
 from ballast.records import EffectiveSpec
 from ballast.spec import parse_spec
-from ballast.storage import LocalStorage
+from ballast.storage import FileStorage
 from helpers import example_data
 
 pytestmark = pytest.mark.unit
@@ -48,7 +48,7 @@ def test_no_two_ids_of_a_crowd_share_a_key():
 def test_the_second_run_does_not_take_over_the_first_ones_directory(tmp_path):
     """The first stage claims the directory (spec.json records the exact run id); a run whose key holds
     another run's records is refused naming the directory, never resumes from them."""
-    from ballast.runner import claim_run_directory
+    from ballast.pipeline.runner import claim_run_directory
 
     first = ctx_for(tmp_path, UNDERSCORE)
     claim_run_directory(first)  # nothing there yet
@@ -66,7 +66,7 @@ def test_the_second_run_does_not_take_over_the_first_ones_directory(tmp_path):
 
 
 def test_a_run_written_under_the_old_key_is_still_readable(tmp_path):
-    store = LocalStorage(tmp_path / "storage")
+    store = FileStorage(tmp_path / "storage")
     old = f"runs/ballast_digits/{legacy_run_id(COLON)}"
     spec = EffectiveSpec(spec_file="s.yaml", parameters_given={}, parameters_applied={}, spec={})
     store.write_bytes(f"{old}/spec.json", spec.model_dump_json().encode())

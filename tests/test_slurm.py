@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from ballast.backends import Launch, slurm_script, slurm_status
+from ballast.launch import Launch
+from ballast.launch.slurm import script as slurm_script, status as slurm_status
 from ballast.errors import Cancelled, ConfigError
 from ballast.recovery import history
 from helpers import example_data, make_ctx, run_chain, run_spec_dag
@@ -111,7 +112,7 @@ def test_job_states_map_to_recovery_classes(fields, cls):
 def test_a_partition_that_does_not_exist_fails_the_first_try_naming_it(cluster, tmp_path):
     import logging
 
-    from ballast.backends.slurm import SlurmBackend
+    from ballast.launch.slurm import SlurmBackend
 
     spec = spec_on_slurm(partition="gpu-spot")
     backend = SlurmBackend(spec, tmp_path, logging.getLogger("test"))
@@ -122,7 +123,7 @@ def test_a_partition_that_does_not_exist_fails_the_first_try_naming_it(cluster, 
 @pytest.mark.integration
 def test_a_cancelled_train_task_scancels_its_job_and_leaves_nothing(cluster, tmp_path, digits_raw):
     from ballast.stages import convert, train, validate, warm_cache
-    from ballast.backends.driver import stop_all as stop_running
+    from ballast.launch.driver import stop_all as stop_running
 
     ctx = make_ctx(tmp_path, digits_raw, lambda d: (on_slurm(d), d["training"].update(epochs=200)))
     run_chain(ctx, validate, convert, warm_cache)
@@ -401,7 +402,7 @@ class FakeSlurm:
 def test_a_few_failed_polls_of_slurm_do_not_end_a_healthy_job_but_many_do(tmp_path, monkeypatch):
     import logging
 
-    from ballast.backends import slurm
+    from ballast.launch import slurm
     from ballast.errors import LaunchError
     from ballast.spec import parse_spec
 
@@ -436,7 +437,7 @@ def test_a_few_failed_polls_of_slurm_do_not_end_a_healthy_job_but_many_do(tmp_pa
 
 @pytest.mark.unit
 def test_the_preview_of_a_slurm_try_shows_its_export_list_and_script():
-    from ballast.backends import preview
+    from ballast.launch import preview
     from ballast.spec import parse_spec
 
     d = example_data()
@@ -458,8 +459,8 @@ def test_sbatch_and_srun_export_only_what_the_node_needs_and_the_script_is_priva
     import logging
     import stat
 
-    from ballast import storage_s3
-    from ballast.backends import slurm
+    from ballast.storage import s3 as storage_s3
+    from ballast.launch import slurm
     from ballast.spec import parse_spec
 
     for name, value in {**CANARIES, "BALLAST_HOME": "/srv/ballast", "PATH": "/usr/bin:/bin",
@@ -522,7 +523,7 @@ def test_a_slurm_stop_that_did_not_end_the_job_keeps_its_lease_and_the_next_try_
     import json
     import logging
 
-    from ballast.backends import driver, slurm
+    from ballast.launch import driver, slurm
     from ballast.errors import LaunchError
 
     spec = spec_on_slurm(poll_seconds=0.05)
@@ -557,7 +558,7 @@ def test_a_slurm_job_gets_no_secret_of_the_workers_environment_on_its_nodes_or_i
                                                                                          monkeypatch):
     import logging
 
-    from ballast.backends.slurm import SlurmBackend
+    from ballast.launch.slurm import SlurmBackend
 
     for name, value in {**CANARIES, "BALLAST_PROBE": "probe-7f3a"}.items():
         monkeypatch.setenv(name, value)
@@ -580,8 +581,8 @@ def test_a_slurm_job_that_outlives_its_stop_keeps_its_lease_and_the_next_try_end
     import logging
     from collections import deque
 
-    from ballast.backends import driver
-    from ballast.backends.slurm import SlurmBackend
+    from ballast.launch import driver
+    from ballast.launch.slurm import SlurmBackend
 
     spec = spec_on_slurm()
     log = logging.getLogger("test")

@@ -25,6 +25,19 @@ def test_example_spec_parses_into_frozen_model():
 
 
 @pytest.mark.unit
+def test_the_old_name_cache_stages_is_read_with_a_deprecation_notice(tmp_path, caplog):
+    phases = [{"name": "a", "fraction": 0.5}, {"name": "b", "fraction": 1.0}]
+    data = example_data()
+    data["cache"] = {"stages": phases}
+    spec = parse_spec(data)
+    assert [p.name for p in spec.cache.phases] == ["a", "b"]
+    assert "cache.stages is deprecated: rename it to cache.phases" in caplog.text
+    path = write_spec(tmp_path / "both.yaml", lambda d: d.update(cache={"stages": phases, "phases": phases}))
+    with pytest.raises(SpecError, match=r"cache: .*give `phases` only \(`stages` is its old name\)"):
+        load_spec(path)
+
+
+@pytest.mark.unit
 def test_defaults_come_from_the_seed_documents():
     spec = parse_spec({**example_data(), "recovery": {}, "evaluation": {"metric": "accuracy"}})
     assert spec.recovery.of("oom").retries == 3  # out-of-memory retried at most 3 times
@@ -81,9 +94,9 @@ BAD = [
      r"schedule\.cron: not a 5-field cron expression: 'every monday'"),
     ("cron_and_asset", lambda d: d["schedule"].update(asset="s3://bucket/raw"),
      r"schedule: set cron or asset, not both"),
-    ("stage_fractions", lambda d: d["cache"].update(stages=[{"name": "a", "fraction": 0.5},
+    ("phase_fractions", lambda d: d["cache"].update(phases=[{"name": "a", "fraction": 0.5},
                                                             {"name": "b", "fraction": 0.4}]),
-     r"cache\.stages: stage fractions must increase \(got \[0\.5, 0\.4\]\)"),
+     r"cache\.phases: phase fractions must increase \(got \[0\.5, 0\.4\]\)"),
     ("override_section", lambda d: d["overridable"].append("training.checkpoint"),
      r"overridable: 'training\.checkpoint' is a section; name one of its fields"),
     ("override_unknown", lambda d: d["overridable"].append("training.speed"),
@@ -183,7 +196,7 @@ def test_json_schema_describes_fields():
 
 
 def _ballast(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ballast.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "ballast.dev.cli", *args], capture_output=True, text=True)
 
 
 @pytest.mark.integration
@@ -227,7 +240,7 @@ def test_every_model_field_is_documented():
 def test_each_settings_section_reaches_the_run_config_whole():
     """The spec's training inherits settings sections flat (their fields are its YAML keys); the run config
     gets each as one section (`Section.section`), every field of it, plus only what the try decided."""
-    from ballast.launch_spec import run_config
+    from ballast.launch.config import run_config
     from ballast.training.config import sections as s
 
     d = example_data()

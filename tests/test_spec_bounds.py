@@ -8,7 +8,7 @@ import shutil
 import time
 
 import pytest
-from ballast.cli import main as cli
+from ballast.dev.cli import main as cli
 from ballast.errors import SpecError
 from ballast.spec import load_spec, parse_spec
 from helpers import EXAMPLE_SPEC, ROOT, example_data, write_spec
@@ -204,19 +204,19 @@ def test_a_dagbag_beside_the_alias_bomb_and_a_200000_field_spec_loads_the_good_d
 
 @pytest.mark.integration
 def test_an_unexpected_error_building_one_spec_is_that_spec_s_import_error_alone(tmp_path, monkeypatch):
-    import ballast.render
+    import ballast.airflow.dags
     from airflow.dag_processing.dagbag import DagBag
 
     dags = _dags_folder(tmp_path)
     write_spec(dags / "specs" / "other.yaml", lambda d: d.update(name="other"))
-    real = ballast.render.build_plan
+    real = ballast.airflow.dags.build_plan
 
     def build_plan(spec, **kwargs):
         if spec.name == "other":
             raise KeyError("recovery")  # what a bug in a plan or a renderer raises: no SpecError
         return real(spec, **kwargs)
 
-    monkeypatch.setattr(ballast.render, "build_plan", build_plan)
+    monkeypatch.setattr(ballast.airflow.dags, "build_plan", build_plan)
     bag = DagBag(str(dags))
     assert set(bag.dags) == {"ballast_digits"}
     (path, message), = bag.import_errors.items()
@@ -293,7 +293,7 @@ def test_the_largest_accepted_values_still_load(tmp_path):
 
 @pytest.mark.unit
 def test_the_run_config_refuses_what_the_spec_refuses():
-    from ballast.launch_spec import run_config
+    from ballast.launch.config import run_config
     from ballast.training.failure import ConfigFailure
 
     cfg = run_config(load_spec(EXAMPLE_SPEC), data_dir=".", data_format="petastorm", checkpoint_dir=".",

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from ballast.errors import DataError, StorageError
-from ballast.packing import split_codes
+from ballast.data.packing import split_codes
 from ballast.stages import convert, validate, warm_cache
 from ballast.stages.warm_cache import plan_phases
-from ballast.storage import LocalStorage, safe_key
+from ballast.storage import FileStorage, safe_key
 from helpers import make_ctx, raw_table, run_chain, warm_cache_rest, write_raw
 
 
@@ -375,7 +375,7 @@ def test_safe_key_refuses_escapes(key):
 
 @pytest.mark.unit
 def test_local_storage_roundtrip(tmp_path):
-    s = LocalStorage(tmp_path)
+    s = FileStorage(tmp_path)
     s.write_bytes("a/b.txt", b"hi")
     assert s.read_bytes("a/b.txt") == b"hi" and list(s.list("a")) == ["a/b.txt"]
     assert not list(tmp_path.rglob("*.tmp"))
@@ -389,8 +389,8 @@ def test_training_is_ended_when_the_background_warm_up_fails(tmp_path):
     import sys
     import time
 
-    from ballast.backends import Launch, driver
-    from ballast.backends.local import LocalBackend
+    from ballast.launch import Launch, driver
+    from ballast.launch.local import LocalBackend
 
     log = logging.getLogger("test")
     failed_at = time.monotonic() + 1.0
@@ -407,7 +407,7 @@ def test_vectorised_encoding_is_exactly_what_petastorm_codecs_write():
     from petastorm.codecs import CompressedImageCodec, NdarrayCodec
     from petastorm.unischema import UnischemaField
 
-    from ballast.packing import FeatureEncoder
+    from ballast.data.packing import FeatureEncoder
     from ballast.spec import FieldSpec
 
     rng = np.random.default_rng(1)
@@ -457,7 +457,7 @@ def test_a_download_cut_mid_object_is_named_and_resumed(tmp_path, digits_raw):
         def close(self):
             self.inner.close()
 
-    class Flaky(LocalStorage):
+    class Flaky(FileStorage):
         def open_read(self, k, start=0):
             return Cut(super().open_read(k, start))
 

@@ -10,7 +10,7 @@ import pytest
 from test_storage_s3 import bucket, s3_endpoint, s3_env  # noqa: F401  (moto's server on loopback)
 
 from ballast.errors import StorageError
-from ballast.storage import LocalStorage, S3Storage, Storage
+from ballast.storage import FileStorage, S3Storage, Storage
 
 BACKENDS = [pytest.param("local", marks=pytest.mark.unit), pytest.param("s3", marks=pytest.mark.integration)]
 
@@ -18,7 +18,7 @@ BACKENDS = [pytest.param("local", marks=pytest.mark.unit), pytest.param("s3", ma
 @pytest.fixture(params=BACKENDS)
 def store(request, tmp_path) -> Storage:
     if request.param == "local":
-        return LocalStorage(tmp_path / "store")
+        return FileStorage(tmp_path / "store")
     return S3Storage(f"s3://{request.getfixturevalue('bucket')}/{uuid.uuid4().hex}")  # the bucket outlives a test
 
 
@@ -100,7 +100,7 @@ def test_s3_listing_reads_pages_only_as_far_as_the_caller(bucket):  # noqa: F811
 @pytest.mark.integration
 def test_a_dataset_on_s3_is_its_directory_not_its_siblings(bucket, tmp_path, digits_raw):  # noqa: F811
     """`dataset.location: s3://b/raw/digits` beside `raw/digits_old/`: validate reads digits only."""
-    from ballast.rawdata import raw_files
+    from ballast.data.raw import raw_files
     from helpers import make_ctx
 
     top = uuid.uuid4().hex

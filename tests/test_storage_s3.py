@@ -80,7 +80,7 @@ def test_keys_cannot_escape_the_prefix(bucket):
 def test_committed_checkpoints_upload_marker_last(bucket, tmp_path):
     import torch
 
-    from ballast.context import RunContext
+    from ballast.pipeline.context import RunContext
     from ballast.spec import parse_spec
     from ballast.stages.train_try import upload_checkpoints
     from helpers import example_data
@@ -213,8 +213,8 @@ def test_training_progress_reaches_s3_while_a_try_runs_and_when_it_ends(bucket, 
     import logging
     import time
 
-    from ballast.context import RunContext
-    from ballast.outputs_sync import OutputsUpload
+    from ballast.pipeline.context import RunContext
+    from ballast.storage.outputs import OutputsUpload
     from ballast.spec import parse_spec
     from ballast.ui.summary import run_summary
     from helpers import example_data

@@ -1,6 +1,6 @@
 """The TFRecord shards as TensorFlow users read them: the README's recipe gives back every array exactly.
 
-The shards are written by `ballast.packing.write_shard`, what both conversion engines call (the Spark
+The shards are written by `ballast.data.packing.write_shard`, what both conversion engines call (the Spark
 engine's output is byte-identical to the arrow engine's: tests/test_convert_spark.py). They are parsed
 with the feature description the README documents, through the `tfrecord` package here, and through
 TensorFlow itself when BALLAST_TF_PYTHON names a Python that has it (TensorFlow is not in the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ballast.packing import FeatureEncoder, write_shard
+from ballast.data.packing import FeatureEncoder, write_shard
 from ballast.spec import FieldSpec
 
 from ballast.training.dataset.format import FORMAT_VERSION

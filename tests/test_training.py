@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from ballast.launch_spec import adapt_micro_batch, run_config, torchrun_argv
+from ballast.launch.config import run_config, torchrun_argv
+from ballast.recovery.adapt import adapt_micro_batch
 from ballast.spec import load_spec, parse_spec
 from ballast.stages import convert, validate, warm_cache
 from helpers import EXAMPLE_SPEC, example_data, make_ctx, run_chain, warm_cache_rest, write_raw
@@ -106,7 +107,7 @@ def test_missing_data_is_a_data_failure(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == EXIT_CODES["data"]
     record = json.loads((out / "failure.json").read_text())
-    assert record["class"] == "data" and record["retryable"] is False
+    assert record["class"] == "data" and "retryable" not in record
     assert "manifest missing; was the cache warmed?" in record["exception"]
 
 
@@ -204,7 +205,7 @@ def test_checkpoint_recorded_model_rebuilds_the_model_without_the_spec(tmp_path)
 def test_launch_specs_are_pure_functions():
     spec = load_spec(EXAMPLE_SPEC)
     argv = torchrun_argv(spec, "/run/cfg.json", python="/py")
-    assert argv == ["/py", "-m", "ballast.training.launch", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+    assert argv == ["/py", "-m", "ballast.training.torchrun", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
                     "--monitor-interval=0.1", "--standalone", "--module", "ballast.training", "--config", "/run/cfg.json"]
     multi = parse_spec({**example_data(), "training": {**example_data()["training"], "nodes": 2, "global_batch_size": 128},
                         "execution": {"backend": "slurm", "slurm": {"partition": "debug"}}})

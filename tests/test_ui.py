@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from ballast.context import safe_run_id
+from ballast.pipeline.context import safe_run_id
 from ballast.records import Attempt, AttemptHistory, RecoverySummary
-from ballast.storage import LocalStorage
+from ballast.storage import FileStorage
 
 RUN = "manual__2026-12-04T10:00:00+00:00"
 PREFIX = f"runs/ballast_demo/{safe_run_id(RUN)}"
@@ -57,7 +57,7 @@ def test_the_run_summary_reads_the_records_and_adds_up_the_time(tmp_path):
     from ballast.ui.summary import run_summary
 
     history = _records(tmp_path)
-    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
     expected = RecoverySummary.of([history])
     rec = s["recovery"]
     assert rec["effective_ratio"] == expected.effective_ratio and rec["tries"] == 2
@@ -97,7 +97,7 @@ def test_resumed_steps_odd_events_and_rounds(tmp_path):
     lines = [json.dumps(e) for e in events] + ["5", "[]", '{"event": "step", "step": 60}',
                                                '{"event": "step", "step": 70, "time": 1210.0, "loss": NaN}']
     _write(tmp_path, "train/metrics.jsonl", "\n".join(lines) + "\n")
-    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
     assert s["curves"]["step"] == [10, 20, 30, 40, 50, 70] and s["curves"]["loss"][2] == 0.5
     assert s["curves"]["loss"][-1] is None  # NaN is no number the page can draw
     assert s["records"]["states"]["train/metrics.jsonl"] == "partial"  # 3 bad lines
@@ -106,7 +106,7 @@ def test_resumed_steps_odd_events_and_rounds(tmp_path):
     round2 = AttemptHistory(task_id="round_2.train", attempts=[_attempt(3, started=3000.0, ended=3100.0)])
     (tmp_path / PREFIX / "attempts" / "train.json").rename(tmp_path / PREFIX / "attempts" / "round_1.train.json")
     _write(tmp_path, "attempts/round_2.train.json", round2.model_dump_json())
-    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=3200.0)
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=3200.0)
     assert [t["try"] for t in s["tries"]] == [1, 2, 3]
     assert s["recovery"]["tries"] == 3 == RecoverySummary.of([history, round2]).tries
 
@@ -119,7 +119,7 @@ def test_a_try_in_progress_counts_up_to_now(tmp_path):
     running = history.model_copy(update={"attempts": [history.attempts[0], history.attempts[1].model_copy(
         update={"ended": None, "outcome": "running"})]})
     _write(tmp_path, "attempts/train.json", running.model_dump_json())
-    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1250.0)
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1250.0)
     assert s["tries"][1]["outcome"] == "running"
     assert s["recovery"]["wall_seconds"] == 250.0  # the first try's start to now
 
@@ -135,7 +135,7 @@ def test_corrupt_records_show_as_such(tmp_path, damage, state, problem):
     _records(tmp_path)
     _write(tmp_path, "attempts/train.json", damage)
     _write(tmp_path, "train/metrics.jsonl", b'{"event": "step", "step": 10, "time": 1.0, "loss": 1.0}\n{"event": "st')
-    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
     assert s["records"]["states"]["attempts/train.json"] == state
     assert s["records"]["problems"]["attempts/train.json"].startswith(problem)
     assert s["recovery"] is None and s["tries"] == []
@@ -157,7 +157,7 @@ def test_records_that_parse_but_hold_odd_values_still_give_a_page(tmp_path):
     for training, cache in ((None, None), ([1], "x"), ({"epochs": "many", "global_batch_size": 0}, {"stages": [3]})):
         _write(tmp_path, "spec.json", {"spec_file": "x.yaml", "parameters_given": {}, "parameters_applied": {},
                                        "spec": {"training": training, "cache": cache}})
-        s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+        s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
         assert s["progress"]["total"] is None and s["progress"]["samples_per_second"] is None
         assert s["step_time"]["median_seconds"] == {"data": 0.0, "compute": 0.0, "communication": 0.0}
         assert s["curves"]["spikes"] == [{"step": 10, "kind": None, "loss": None, "zscore": None}]
@@ -169,17 +169,17 @@ def test_a_stage_at_work_shows_its_progress_record_and_a_stage_without_one_is_no
     from ballast.ui.summary import run_summary
 
     _records(tmp_path)
-    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
     assert s["stage_progress"] == [] and not any(k.startswith("progress/") for k in s["records"]["states"])
     _write(tmp_path, "progress/convert.json", StageProgress(
         stage="convert", what="convert", unit="rows", done=600, total=1797, rate_per_second=300.0, eta_seconds=4.0,
         started=1290.0, updated=1298.0).model_dump_json())
-    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
     assert s["stage_progress"] == [{"stage": "convert", "what": "convert", "unit": "rows", "done": 600, "total": 1797,
                                     "rate_per_second": 300.0, "eta_seconds": 4.0, "updated": 1298.0,
                                     "finished": False, "age_seconds": 2.0}]
     _write(tmp_path, "progress/convert.json", b'{"stage": "convert", "done": "many"}')
-    s = run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
     assert s["stage_progress"] == [] and s["records"]["states"]["progress/convert.json"] == "corrupt"
 
 
@@ -187,10 +187,10 @@ def test_a_stage_at_work_shows_its_progress_record_and_a_stage_without_one_is_no
 def test_a_run_with_no_records_is_none_and_bounded_reads_say_partial(tmp_path, monkeypatch):
     from ballast.ui import reader, summary
 
-    assert summary.run_summary(LocalStorage(tmp_path), "ballast_demo", RUN) is None
+    assert summary.run_summary(FileStorage(tmp_path), "ballast_demo", RUN) is None
     _records(tmp_path)
     monkeypatch.setattr(reader, "MAX_EVENTS_BYTES", 300)
-    s = summary.run_summary(LocalStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    s = summary.run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
     assert s["records"]["states"]["train/metrics.jsonl"] == "partial"
     assert "last" in s["records"]["problems"]["train/metrics.jsonl"]
     assert s["curves"]["step"] and s["curves"]["step"][-1] == 100  # the newest lines, the cut one dropped
@@ -204,13 +204,13 @@ def test_the_pipeline_summary_spans_runs(tmp_path):
     other = tmp_path / "runs/ballast_demo/scheduled__2026-12-05T00_00_00_00_00/attempts"
     other.mkdir(parents=True)
     (other / "train.json").write_text("{broken")
-    s = pipeline_summary(LocalStorage(tmp_path), "ballast_demo")
+    s = pipeline_summary(FileStorage(tmp_path), "ballast_demo")
     # A run without spec.json is named by its directory; one whose spec.json records its id, by that id
     # (what its link needs: the directory's name is no run id).
     assert [r["run"] for r in s["runs"]] == [safe_run_id(RUN), "scheduled__2026-12-05T00_00_00_00_00"]
     _write(tmp_path, "spec.json", {"spec_file": "x.yaml", "run_id": RUN, "parameters_given": {},
                                    "parameters_applied": {}, "spec": {}, "version": 1})
-    s = pipeline_summary(LocalStorage(tmp_path), "ballast_demo")
+    s = pipeline_summary(FileStorage(tmp_path), "ballast_demo")
     assert [r["run"] for r in s["runs"]] == [RUN, "scheduled__2026-12-05T00_00_00_00_00"]
     assert s["runs"][0]["ratio"] == RecoverySummary.of([history]).effective_ratio
     assert s["runs"][1]["state"] == "corrupt"
@@ -281,7 +281,7 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from ballast.localstack import LocalStack
+    from ballast.dev.stack import LocalStack
     from ballast.recovery import history
     from ballast.ui.summary import run_prefix
     from selenium.common.exceptions import NoAlertPresentException

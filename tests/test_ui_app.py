@@ -17,7 +17,7 @@ from urllib.parse import quote
 import pytest
 from ballast.errors import StorageError
 from ballast.records import AttemptHistory
-from ballast.storage import LocalStorage
+from ballast.storage import FileStorage
 
 pytestmark = pytest.mark.unit
 
@@ -60,7 +60,7 @@ def _history(started: float) -> str:
     return AttemptHistory(task_id="train", attempts=[a]).model_dump_json()
 
 
-def _run(storage: LocalStorage, run_id: str, *, started: float = 1000.0) -> str:
+def _run(storage: FileStorage, run_id: str, *, started: float = 1000.0) -> str:
     from ballast.ui.summary import run_prefix
 
     prefix = run_prefix(storage, DAG, run_id)
@@ -101,7 +101,7 @@ def _shell_only(page: _Tags) -> None:
 def test_a_run_id_with_placeholders_and_markup_is_text_on_the_page(tmp_path):
     """Issue 21, item 1: `{{CONFIG}}` in the run id pulled the raw config JSON (with the run id's
     `<svg onload=...>`) into the page's <h1>."""
-    storage = LocalStorage(tmp_path)
+    storage = FileStorage(tmp_path)
     _run(storage, CRAFTED)
     resp = _client({DAG: storage}).get(f"/runs/{DAG}/{quote(CRAFTED, safe='')}")
     assert resp.status_code == 200, resp.text
@@ -118,7 +118,7 @@ def test_a_run_id_with_placeholders_and_markup_is_text_on_the_page(tmp_path):
 
 def test_a_dag_id_with_markup_is_text_too(tmp_path):
     dag = "x\"><img src=x onerror=alert(1)>{{STATIC}}{{TITLE}}"
-    resp = _client({dag: LocalStorage(tmp_path)}).get(f"/pipelines/{quote(dag, safe='')}")
+    resp = _client({dag: FileStorage(tmp_path)}).get(f"/pipelines/{quote(dag, safe='')}")
     assert resp.status_code == 200, resp.text
     assert "<img" not in resp.text
     page = _Tags(resp.text)
@@ -149,7 +149,7 @@ def test_a_value_that_would_end_the_config_element_stays_inside_it():
 
 
 def test_the_pages_carry_a_policy_with_no_inline_script(tmp_path):
-    storage = LocalStorage(tmp_path)
+    storage = FileStorage(tmp_path)
     _run(storage, "manual_1")
     client = _client({DAG: storage})
     for path in ("/", f"/pipelines/{DAG}", f"/runs/{DAG}/manual_1"):
@@ -220,7 +220,7 @@ def test_a_failed_computation_fails_its_waiters_and_the_next_request_tries_again
     assert cache.get(("k",), lambda: "ok", final=lambda d: True) == "ok"
 
 
-class _Unreadable(LocalStorage):
+class _Unreadable(FileStorage):
     """Storage whose every read fails as S3 would say it: bucket, prefix and endpoint in the message."""
 
     CAUSE = "s3://secret-bucket/pipelines/runs: list failed: Could not connect to http://minio.internal:9000/"
@@ -249,11 +249,11 @@ def test_a_storage_error_is_a_503_naming_the_pipeline_and_not_its_storage(tmp_pa
 def test_a_record_that_cannot_be_read_does_not_show_its_storage_either(tmp_path, caplog):
     from ballast.ui.summary import run_summary
 
-    class _Flaky(LocalStorage):
+    class _Flaky(FileStorage):
         def open_read(self, key, start=0):
             raise StorageError(_Unreadable.CAUSE)
 
-    _run(LocalStorage(tmp_path), "manual_1")
+    _run(FileStorage(tmp_path), "manual_1")
     with caplog.at_level(logging.WARNING, logger="ballast.ui.reader"):
         s = run_summary(_Flaky(tmp_path), DAG, "manual_1")
     assert s["records"]["states"]["attempts/train.json"] == "corrupt"
@@ -261,7 +261,7 @@ def test_a_record_that_cannot_be_read_does_not_show_its_storage_either(tmp_path,
     assert any("minio.internal" in r.getMessage() for r in caplog.records)
 
 
-class _Counting(LocalStorage):
+class _Counting(FileStorage):
     """Local storage that notes every key it is asked about."""
 
     def __init__(self, root):

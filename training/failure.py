@@ -17,7 +17,8 @@ worker fails, so the orchestrator reads the record, not torchrun's exit status.
 | hang          | 76   | yes          | no progress for the hang timeout               |
 | unknown       | -    | yes          | no record and nothing known in the log         |
 
-`unknown` has no exit code and is not in RETRYABLE: no trainer exits with it; it is what the
+The last column is the spec's default `recovery.policy` (the retry policy decides; the record only
+names the class). `unknown` has no exit code: no trainer exits with it; it is what the
 orchestrator concludes when nothing else matches (`training.failure_patterns.classify_exit`, the one
 place that decides a try's class), and retries. Both sides read exception texts and log lines through one
 pattern table, `training.failure_patterns`; the classes and codes themselves are `training.failure_classes`.
@@ -33,7 +34,6 @@ from pathlib import Path
 
 from ballast.training.failure_classes import EXIT_CODES, FAILURE_CLASSES  # noqa: F401 (re-exported)
 
-RETRYABLE = frozenset({"divergence", "communication", "oom", "hardware", "preempted", "hang"})
 # training.outputs.FAILURE_RECORD. The pattern table and the outputs' models are imported where used:
 # ballast.errors imports this module at DAG-parse time, and they cost ~30 ms to import.
 RECORD_NAME = "failure.json"
@@ -113,8 +113,7 @@ def write_record(out_dir: Path, exc: BaseException, *, step: int | None, rank: i
     from ballast.training.outputs import FailureRecord, write_failure
 
     cls = classify(exc)
-    record = FailureRecord(failure_class=cls, exit_code=EXIT_CODES[cls], retryable=cls in RETRYABLE,
-                           exception=f"{type(exc).__name__}: {exc}",
+    record = FailureRecord(failure_class=cls, exit_code=EXIT_CODES[cls], exception=f"{type(exc).__name__}: {exc}",
                            traceback=traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:],
                            step=step, rank=rank, host=host_name(), pid=os.getpid(), time=time.time())
     write_failure(out_dir, record)

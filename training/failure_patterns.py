@@ -164,7 +164,7 @@ PLATFORM_ENDINGS: dict[tuple[str, str], str] = {
     ("kubernetes", "Unknown"): "hardware",
 }
 """(platform, its own word for how a job or pod ended) -> failure class: the platform's half of the table,
-read by `ballast.backends.slurm_status` and `k8s_status`; `classify_exit` weighs what it gives against
+read by `ballast.launch.slurm.status` and `ballast.launch.kubernetes.status`; `classify_exit` weighs what it gives against
 the record. A word not here names no class (the failure record and the log decide)."""
 
 
@@ -224,8 +224,8 @@ def classify_exit(returncode: int | None, *, record: dict | None, log_tail: str 
     """What a training try (torchrun and its workers, or a cluster job) died of: the one place that
     decides it. Its inputs: the exit status, the failure record (`failure.json`), the tail of the log,
     and what the backend reports: `platform_class`/`platform_reason` (a cluster's ending: Kubernetes'
-    OOMKilled or eviction, Slurm's PREEMPTED or NODE_FAIL, in `ballast.backends.k8s_status` /
-    `slurm_status` words), `oom_killed` (cgroup memory.events oom_kill grew), `hung` (the orchestrator's
+    OOMKilled or eviction, Slurm's PREEMPTED or NODE_FAIL, in `ballast.launch.kubernetes.status` /
+    `ballast.launch.slurm.status` words), `oom_killed` (cgroup memory.events oom_kill grew), `hung` (the orchestrator's
     heartbeat watch ended it), `cancelled` (the orchestrator stopped it: CANCELLED, not a failure).
 
     Precedence, first that applies: cancelled; the platform's ending (unless the hang guard ended the

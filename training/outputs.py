@@ -47,6 +47,8 @@ class FailureRecord(_Output):
     """One of training.failure_classes.FAILURE_CLASSES (a record from another version may name another)."""
     exit_code: int | None = None
     retryable: bool | None = None
+    """Written by trainers of version 1 only; never read. Whether to retry is the orchestrator's retry
+    policy's alone (the spec's `recovery.policy`, by class)."""
     exception: str = ""
     """`<type>: <message>` of the exception that ended the rank."""
     traceback: list[str] = Field(default_factory=list)
@@ -59,7 +61,10 @@ class FailureRecord(_Output):
 
     def as_dict(self) -> dict[str, Any]:
         """The record as its JSON object (key `class`), for code that reads it as one."""
-        return self.model_dump(by_alias=True)
+        out = self.model_dump(by_alias=True)
+        if out["retryable"] is None:
+            del out["retryable"]
+        return out
 
 
 class Summary(_Output):

@@ -15,7 +15,7 @@ how it is used here:
   it expects (and, where the parent is an intermediary such as the forkserver, that the parent's parent
   is), and if not ends at once by the same signal.
 
-Not Linux: a no-op (the functions return False); the orchestrator's lease (ballast.supervise) still
+Not Linux: a no-op (the functions return False); the orchestrator's lease (ballast.launch.process) still
 ends a leftover group before the next try starts.
 """
 

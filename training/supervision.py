@@ -11,7 +11,7 @@ preemption notice.
 
 SIGTERM is only ever a preemption notice (the orchestrator sends it too when it ends a stalled group or
 one whose cache warm-up failed, where a checkpoint is worth having). A cancel SIGKILLs the whole
-process group instead (ballast.supervise), and a task that dies takes its ranks with it by their
+process group instead (ballast.launch.process), and a task that dies takes its ranks with it by their
 parent-death signals (training.launch), so a rank never waits out the grace for a peer, or an agent,
 that is already gone. Should the grace still expire after the task that reads this try has died
 (nobody reads the output any more), the rank ends without a record: the try is abandoned, not preempted.

@@ -327,7 +327,7 @@ class Trainer:
         """Scores on `data`, each rank scoring its share and the parts summed (training.metrics)."""
         import torch
 
-        from ballast.training.metrics import ScoreSums, classification_sums
+        from ballast.training.scores import ScoreSums, classification_sums
 
         model = self.raw_model  # under FSDP the sharded module itself; its forward gathers the weights
         model.eval()
@@ -340,7 +340,7 @@ class Trainer:
 
     def improved(self, value: float) -> bool:
         """Whether `value` is a new best validation score (the one rule: training.metrics.improved)."""
-        from ballast.training.metrics import improved
+        from ballast.training.scores import improved
 
         best = self.state.best
         return improved(value, None if best is None else best["value"], mode=self.cfg.early_stop.mode,

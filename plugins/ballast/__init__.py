@@ -1,7 +1,7 @@
 """Ballast: declarative training pipelines on Apache Airflow 3.
 
-Layers: `ballast.spec` (YAML -> typed model), `ballast.plan` (model -> plain stage data),
-`ballast.render` (plan -> Airflow DAG; the only module importing airflow.sdk at parse time) and
+Layers: `ballast.spec` (YAML -> typed model), `ballast.pipeline.plan` (model -> plain stage data),
+`ballast.airflow.dags` (plan -> Airflow DAG; the only module importing airflow.sdk at parse time) and
 `ballast.stages.*` (what each task does at run time; heavy imports live inside them).
 """
 

@@ -1,5 +1,4 @@
-"""One exception family for everything Ballast reports to a user, and the one place that decides
-whether a retry can help.
+"""One exception family for everything Ballast reports to a user, and the failure class each names.
 
 Every message names the file, the field (or object) and what would fix it, so that a task log or
 `ballast lint` can print it as one line instead of a traceback.
@@ -97,13 +96,3 @@ def failure_class(exc: BaseException) -> str:
         return "hang"
     return "unknown"
 
-
-def retry_helps(exc: BaseException, recovery) -> bool:
-    """Whether a new try may get past `exc` under `recovery` (the spec's RecoverySpec; the caller
-    passes it, so this module imports no spec): its class has a retry budget. A model below the
-    publish threshold never does: a retry trains nothing new. The runner asks it to fail a task at
-    once; how many tries and when is the retry policy's (`ballast.recovery.policy.decide`), which
-    answers the same for a class with no budget."""
-    if isinstance(exc, (QualityGateError, Cancelled)):
-        return False
-    return recovery.of(failure_class(exc)).retries > 0

@@ -12,7 +12,7 @@ changes only its directories (`node_config`). Each node then, on its own:
    node pulls the checkpoint it resumes from (only that one) and pushes each newly committed one back
    (files, then manifest, then the COMMITTED marker; storage pruned to keep_last), while training runs
    and once it ends;
-3. runs the torchrun launcher (`ballast.training.launch`) with the c10d rendezvous endpoint of node 0
+3. runs the torchrun launcher (`ballast.training.torchrun`) with the c10d rendezvous endpoint of node 0
    ($BALLAST_RDZV_ENDPOINT) and exits with its exit code, after its failure record and summary are in
    storage.
 
@@ -34,8 +34,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ballast import cachedir, checkpoint_sync
-from ballast.backends import NODE_RANK_ENV, RDZV_ENV
+from ballast.storage import cache_dir as cachedir
+from ballast.storage import checkpoints as checkpoint_sync
+from ballast.launch import NODE_RANK_ENV, RDZV_ENV
 
 log = logging.getLogger("ballast.node")
 SYNC_SECONDS = 10.0
@@ -105,8 +106,8 @@ class _RankFilter(logging.Filter):
 
 
 def run(job: NodeJob, rank: int) -> int:
-    from ballast.context import RunContext
-    from ballast.launch_spec import torchrun_argv
+    from ballast.pipeline.context import RunContext
+    from ballast.launch.config import torchrun_argv
     from ballast.spec import Spec
     from ballast.stages.warm_cache import dataset_dir, warm
     from ballast.storage import ballast_home
@@ -124,7 +125,7 @@ def run(job: NodeJob, rank: int) -> int:
                      task_id=job.task_id, spec_file=job.spec_file)
     log.info("node %d of %d on %s: try %d of %s", rank, spec.training.nodes, host, job.try_number, job.dag_id)
     cachedir.hold(dataset_dir(ctx))  # from its warm-up to the end of training: no other run's warm-up evicts it
-    cache = warm(ctx, list(range(len(spec.cache.stages))), record_progress=False)
+    cache = warm(ctx, list(range(len(spec.cache.phases))), record_progress=False)
     shared = ctx.storage.local_path(ctx.run_key) is not None
     if shared:
         out_dir, ckpt_dir = Path(job.out_dir), Path(job.checkpoint_dir)

@@ -1,6 +1,6 @@
 """The run config: what the orchestrator hands a training process, as one typed, frozen model.
 
-Written by the train stage (`ballast.launch_spec.run_config`) as JSON; read here with one validation
+Written by the train stage (`ballast.launch.config.run_config`) as JSON; read here with one validation
 call. Its sections are the ones in `training.config.sections`, shared with the spec.
 """
 

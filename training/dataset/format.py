@@ -4,7 +4,7 @@ Both sides import this module, so the manifest's fields, the block list, the fea
 bytes of every encoded value are defined once. numpy only at module level: the conversion stage runs
 in the orchestrator's worker, and OpenCV and protobuf are imported where an image or a record is made.
 
-Layout of a converted dataset (see ballast.packing for how it is written):
+Layout of a converted dataset (see ballast.data.packing for how it is written):
     petastorm/<split>/part-NNNNN.parquet   Petastorm: the feature as its Petastorm codec writes it
                                            (`NdarrayCodec`: a whole .npy file; `CompressedImageCodec`:
                                            PNG or JPEG), the label an int64 column

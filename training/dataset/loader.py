@@ -132,7 +132,7 @@ class EpochLoader:
         workers = min(self.workers, len(spans))
         # Its own generator: creating the loader must not draw from torch's global RNG, or a run resumed
         # mid-epoch (loader created at the resume point) would see other dropout masks than the original.
-        # Workers forked from this rank (Linux's default, stated because python -m ballast.training.launch starts
+        # Workers forked from this rank (Linux's default, stated because python -m ballast.training.torchrun starts
         # ranks from a forkserver, whose context they would otherwise inherit): forked, they start with
         # the readers imported, and as the rank's own children they notice when it dies and exit. Started
         # by the forkserver, they outlived a killed rank and held torchrun's output open. A forked worker

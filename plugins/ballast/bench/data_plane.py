@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from ballast.bench.measure import RssSampler, target
 
@@ -55,7 +54,7 @@ def _child(kind: str, raw: str, out: str, formats: str) -> dict:
 
     import pyarrow.parquet as pq
 
-    from ballast.packing import plan_chunks
+    from ballast.data.packing import plan_chunks
     from ballast.stages.convert import convert_arrow, finish
 
     files = sorted(Path(raw).glob("*.parquet"))
@@ -78,7 +77,7 @@ def _child(kind: str, raw: str, out: str, formats: str) -> dict:
         if kind == "spark":
             import logging
 
-            from ballast.stages.convert_spark import convert_spark
+            from ballast.data.spark import convert_spark
 
             entries = convert_spark(chunks, spec, np.zeros(0, np.int64), staging, log=logging.getLogger("bench"))
         else:
@@ -99,7 +98,7 @@ def _run_child(kind: str, raw: Path, out: Path, formats: str = "petastorm") -> d
 
 
 def bench_convert(*, rows: int = 50_000, scale: int = 10, repeat: int = 2) -> dict:
-    from ballast.demo import write_synthetic
+    from ballast.data.demo import write_synthetic
 
     with tempfile.TemporaryDirectory(prefix="ballast-bench-convert-") as tmp:
         root = Path(tmp)
@@ -202,7 +201,7 @@ def bench_read(*, samples: int = 20_000, repeat: int = 3, workers: int = 2, batc
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ballast.packing import layout, plan_chunks
+    from ballast.data.packing import layout, plan_chunks
     from ballast.stages.convert import convert_arrow, finish
     from ballast.training.dataset.reader import Decoder
 
@@ -231,7 +230,7 @@ def bench_read(*, samples: int = 20_000, repeat: int = 3, workers: int = 2, batc
         # The per-sample copy: the same PNG bytes, one file each.
         per = root / "samples"
         per.mkdir()
-        from ballast.packing import FeatureEncoder
+        from ballast.data.packing import FeatureEncoder
 
         enc = FeatureEncoder(spec.dataset.features[0])
         for start in range(0, samples, 2000):
@@ -287,9 +286,9 @@ def bench_warmup(*, rows: int = 300_000, repeat: int = 2, concurrency: int = 8) 
     import boto3
     import numpy as np
 
-    from ballast.context import RunContext
-    from ballast.demo import write_synthetic
-    from ballast.packing import layout, plan_chunks
+    from ballast.pipeline.context import RunContext
+    from ballast.data.demo import write_synthetic
+    from ballast.data.packing import layout, plan_chunks
     from ballast.records import ConvertResult
     from ballast.stages import warm_cache
     from ballast.stages.convert import convert_arrow, finish
@@ -344,7 +343,7 @@ def bench_warmup(*, rows: int = 300_000, repeat: int = 2, concurrency: int = 8) 
                 t0 = time.perf_counter()
                 warm_cache.warm(ctx, [0])
                 first = time.perf_counter() - t0
-                warm_cache.warm(ctx, list(range(1, len(spec.cache.stages))))
+                warm_cache.warm(ctx, list(range(1, len(spec.cache.phases))))
                 return first, time.perf_counter() - t0
 
             plain, staged = [], []
@@ -367,7 +366,7 @@ def bench_warmup(*, rows: int = 300_000, repeat: int = 2, concurrency: int = 8) 
     return {
         "benchmark": "warmup",
         "files": len(entries), "megabytes": round(mb, 1), "concurrency": concurrency,
-        "stages": [s.model_dump() for s in spec.cache.stages],
+        "phases": [s.model_dump() for s in spec.cache.phases],
         "ceiling_mb_per_second": round(mb / plain_s, 1), "warmup_mb_per_second": round(mb / full_s, 1),
         "stage1_seconds": round(first_s, 3), "all_stages_seconds": round(full_s, 3),
         "runs": {"ceiling_seconds": [round(x, 3) for x in plain],

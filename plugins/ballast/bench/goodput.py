@@ -233,7 +233,7 @@ def _faults_timeline(run: dict) -> list[dict[str, Any]]:
 def _planner_prediction(run: dict, wall: float) -> dict[str, Any]:
     """What `ballast plan`'s model predicts for this run's measured failure rate, checkpoint interval,
     save cost and restart cost, beside the ratio measured."""
-    from ballast.planner import predict_ratio
+    from ballast.dev.scale_plan import predict_ratio
 
     evs = events(Path(run["out"]))
     saves = [e for e in evs if e.get("event") == "checkpoint"]
@@ -265,8 +265,8 @@ def _home() -> Path:
     root = Path(tempfile.mkdtemp(prefix="ballast-goodput-"))
     os.environ.update({"AIRFLOW_HOME": str(root / "airflow"), "BALLAST_HOME": str(root / "ballast"),
                        "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "GX_ANALYTICS_ENABLED": "False"})
-    from ballast.demo import write_digits
-    from ballast.localrun import migrate_db
+    from ballast.data.demo import write_digits
+    from ballast.dev.dag_run import migrate_db
     from ballast.storage import resolve_local
 
     migrate_db()

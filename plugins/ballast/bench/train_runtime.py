@@ -30,8 +30,8 @@ def _prepare(root: Path, *, rows: int, shape: tuple[int, ...], edit) -> tuple[An
     """Synthetic data converted and cached by the real stages; returns (spec, warm_cache result)."""
     import yaml
 
-    from ballast.context import RunContext
-    from ballast.demo import write_synthetic
+    from ballast.pipeline.context import RunContext
+    from ballast.data.demo import write_synthetic
     from ballast.spec import parse_spec
     from ballast.stages import convert, validate, warm_cache
 
@@ -58,7 +58,7 @@ def _prepare(root: Path, *, rows: int, shape: tuple[int, ...], edit) -> tuple[An
 
 def _config(spec, cache: WarmCacheResult, run_dir: Path, changes: dict[str, Any] | None = None) -> Path:
     """The run config of one bench run, with `{"section.field": value}` changes (validated)."""
-    from ballast.launch_spec import run_config
+    from ballast.launch.config import run_config
 
     cfg = run_config(spec, data_dir=cache.cache_dir, data_format=cache.format,
                      checkpoint_dir=str(run_dir / "ckpt"), output_dir=str(run_dir / "out"))
@@ -70,7 +70,7 @@ def _config(spec, cache: WarmCacheResult, run_dir: Path, changes: dict[str, Any]
 
 def _torchrun(config: Path, *, module: str = "ballast.training", nproc: int = 2, extra: tuple[str, ...] = (),
               timeout: float = 1800, preload: bool = False) -> subprocess.CompletedProcess:
-    launcher = "ballast.training.launch" if module == "ballast.training" and preload else "torch.distributed.run"
+    launcher = "ballast.training.torchrun" if module == "ballast.training" and preload else "torch.distributed.run"
     argv = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}",
             "--monitor-interval=0.1", *extra, "--module", module, "--config", str(config)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
@@ -211,7 +211,7 @@ def bench_recovery(*, trials: int = 5) -> dict:
         "extra_failed_attempts_seen": restarts,
         "median": med, "min": min(seconds), "max": max(seconds),
         "stdev": statistics.stdev(seconds) if len(seconds) > 1 else 0.0,
-        "note": "SIGKILL of rank 1; torchrun's agent (python -m ballast.training.launch: workers forked from a process "
+        "note": "SIGKILL of rank 1; torchrun's agent (python -m ballast.training.torchrun: workers forked from a process "
                 "that preloaded torch) with --monitor-interval=0.1 restarts the group; time to the first "
                 "completed step after resuming from the latest committed checkpoint",
         "targets": {"median_seconds_kill_to_next_step": target(round(med, 3), 5.0)},

@@ -18,7 +18,7 @@ from __future__ import annotations
 from ballast.records.attempts import Attempt, AttemptHistory, RecoverySummary
 from ballast.records.base import Record, current_version
 from ballast.records.progress import StageProgress
-from ballast.records.stages import (
+from ballast.records.results import (
     AppliedParameter,
     BestValidation,
     CheckedCheckpoint,

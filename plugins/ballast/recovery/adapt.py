@@ -17,14 +17,22 @@ try and the notes go to the task log and into the try's record:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ballast.errors import LaunchError
-from ballast.launch_spec import adapt_micro_batch
 from ballast.records import Attempt
 from ballast.spec import Spec
 
 AVOID_CLASSES = frozenset({"hang", "communication", "hardware"})
+
+
+def adapt_micro_batch(spec: Spec, current: int, factor: float) -> int:
+    """A smaller micro-batch after an out-of-memory failure that still divides the per-process batch,
+    so the global batch stays fixed (gradient accumulation makes up the difference)."""
+    per_process = spec.training.per_process_batch
+    target = max(1, math.floor(current * factor))
+    return max(d for d in range(1, target + 1) if per_process % d == 0)
 
 
 @dataclass(frozen=True)

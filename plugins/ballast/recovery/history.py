@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.records import Attempt, AttemptHistory
 
 

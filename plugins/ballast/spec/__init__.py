@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ballast.spec.conversion import CacheSpec, CacheStageSpec, ConversionSpec
+from ballast.spec.conversion import CacheSpec, CachePhaseSpec, ConversionSpec
 from ballast.spec.dataset import DatasetSpec, FieldSpec, SplitSpec
 from ballast.spec.deployment import ScheduleSpec, StorageSpec
 from ballast.spec.execution import ExecutionSpec, KubernetesSpec, SlurmSpec
@@ -32,7 +32,7 @@ def overridable_field(path: str) -> tuple[Any, str]:
 
 
 __all__ = [
-    "SPEC_VERSION", "CacheSpec", "CacheStageSpec", "ConversionSpec", "DatasetSpec", "EvaluationSpec",
+    "SPEC_VERSION", "CacheSpec", "CachePhaseSpec", "ConversionSpec", "DatasetSpec", "EvaluationSpec",
     "ExecutionSpec", "FieldSpec", "KubernetesSpec", "RecoverySpec", "RuleSpec", "ScheduleSpec", "SlurmSpec", "Spec",
     "SplitSpec", "StorageSpec", "TrainingSpec", "ValidationSpec", "apply_overrides", "check_parameter_names",
     "get_path", "json_schema", "load_spec", "overridable_field", "parameter_paths", "parse_spec",

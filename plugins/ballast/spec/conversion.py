@@ -1,13 +1,16 @@
 """The spec's `conversion` and `cache` sections: the packed formats, and the node-local cache's
-warm-up phases (`cache.stages`)."""
+warm-up phases (`cache.phases`; the old name `cache.stages` is still read, with a deprecation notice)."""
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ballast.training.config.sections import MAX_SECONDS, DataFormat, Section
+
+log = logging.getLogger(__name__)
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,62}$"
 
@@ -37,37 +40,48 @@ class ConversionSpec(Section):
         return v
 
 
-class CacheStageSpec(Section):
+class CachePhaseSpec(Section):
     name: str = Field(pattern=NAME_PATTERN)
-    """Stage name, shown in the task log."""
+    """Phase name, shown in the task log."""
     fraction: float = Field(gt=0.0, le=1.0)
-    """Cumulative fraction of the training shards cached once this stage is done."""
+    """Cumulative fraction of the training shards cached once this phase is done."""
 
 
 class CacheSpec(Section):
     directory: str | None = None
     """Node-local cache directory; default BALLAST_HOME/cache."""
-    stages: tuple[CacheStageSpec, ...] = (
-        CacheStageSpec(name="first_steps", fraction=0.25),
-        CacheStageSpec(name="rest", fraction=1.0),
+    phases: tuple[CachePhaseSpec, ...] = (
+        CachePhaseSpec(name="first_steps", fraction=0.25),
+        CachePhaseSpec(name="rest", fraction=1.0),
     )
-    """Stages in order; the last must reach fraction 1.0. Validation and test shards come last."""
+    """Warm-up phases in order; the last must reach fraction 1.0. Validation and test shards come last."""
     max_bytes: int | None = Field(None, ge=1, le=2**63 - 1)
-    """Byte budget of the cache; warming refuses to start a stage that would exceed it."""
+    """Byte budget of the cache; warming refuses to start a phase that would exceed it."""
     concurrency: int = Field(4, ge=1, le=64)
     """Parallel downloads."""
     wait_seconds: float = Field(3600.0, gt=0, le=MAX_SECONDS)
-    """How long training waits for a shard that a later warm-up phase (cache.stages) has not brought yet."""
+    """How long training waits for a shard that a later warm-up phase (cache.phases) has not brought yet."""
 
-    @field_validator("stages")
+    @model_validator(mode="before")
     @classmethod
-    def _stages_increase(cls, v: tuple[CacheStageSpec, ...]) -> tuple[CacheStageSpec, ...]:
+    def _old_name(cls, data: Any) -> Any:
+        """`cache.stages` was this field's name (a "stage" is a pipeline stage); it is still read."""
+        if isinstance(data, dict) and "stages" in data:
+            if "phases" in data:
+                raise ValueError("give `phases` only (`stages` is its old name)")
+            log.warning("cache.stages is deprecated: rename it to cache.phases (same entries)")
+            data = {("phases" if k == "stages" else k): v for k, v in data.items()}
+        return data
+
+    @field_validator("phases")
+    @classmethod
+    def _phases_increase(cls, v: tuple[CachePhaseSpec, ...]) -> tuple[CachePhaseSpec, ...]:
         if not v:
-            raise ValueError("list at least one stage")
+            raise ValueError("list at least one phase")
         fractions = [s.fraction for s in v]
         if any(b <= a for a, b in zip(fractions, fractions[1:])):
-            raise ValueError(f"stage fractions must increase (got {fractions})")
+            raise ValueError(f"phase fractions must increase (got {fractions})")
         if fractions[-1] != 1.0:
-            raise ValueError(f"the last stage must have fraction 1.0 (got {fractions[-1]})")
+            raise ValueError(f"the last phase must have fraction 1.0 (got {fractions[-1]})")
         return v
 

@@ -3,7 +3,7 @@
 Built from the training package's own sections (`training.config.sections`): every field a training
 process also reads is declared there once, with its default, bounds, docstring and checks. `training`
 inherits several of them flat (their fields are its YAML keys); each reaches the run config whole, as
-one section (`Section.section`, in `ballast.launch_spec.run_config`). What is declared here is the
+one section (`Section.section`, in `ballast.launch.config.run_config`). What is declared here is the
 orchestrator's alone: how many machines and processes, which converted format to read, learning-rate
 scaling.
 """

@@ -1,10 +1,10 @@
 """Stage 2: convert the raw input into a Petastorm dataset and TFRecord shards, manifest written last.
 
-Two engines write the same files (see ballast.packing for the layout and the encoding):
+Two engines write the same files (see ballast.data.packing for the layout and the encoding):
 - `arrow` streams the raw row groups in one process, `conversion.read_batch_rows` at a time, and
   cuts a shard whenever a split has `shard_rows` rows buffered: memory is bounded by those two
   settings, not by the size of the data.
-- `spark` runs the same encoding as a Spark job (ballast.stages.convert_spark).
+- `spark` runs the same encoding as a Spark job (ballast.data.spark).
 
 `dataset_id` hashes the input fingerprint, the rows quarantined by validation and every setting that
 changes the output (not the engine: both write the same bytes), so a re-run with the same input and
@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.errors import DataError
-from ballast.packing import (FORMAT_VERSION, SPLITS, FeatureEncoder, layout, plan_chunks, read_chunk, split_codes,
+from ballast.data.packing import (FORMAT_VERSION, SPLITS, FeatureEncoder, layout, plan_chunks, read_chunk, split_codes,
                              unischema, write_petastorm_metadata, write_shard)
-from ballast.progress import Progress
-from ballast.rawdata import fingerprint_files, raw_files
+from ballast.data.progress import Progress
+from ballast.data.raw import fingerprint_files, raw_files
 from ballast.records import ConvertResult
 from ballast.storage import ballast_home, sha256_file
 
@@ -136,7 +136,7 @@ def run(ctx: RunContext) -> ConvertResult:
         ctx.log.info("converting %d rows (%d quarantined) with the %s engine into %s", total, bad_rows.size,
                      spec.conversion.engine, ", ".join(spec.conversion.formats))
         if spec.conversion.engine == "spark":
-            from ballast.stages.convert_spark import convert_spark
+            from ballast.data.spark import convert_spark
 
             entries = convert_spark(chunks, spec, bad_rows, staging, log=ctx.log)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.errors import QualityGateError
 from ballast.records import EvaluateResult, HeldOutScores
 from ballast.stages.verify_checkpoint import load_model
@@ -20,8 +20,8 @@ def _baseline(ctx: RunContext, test) -> tuple[HeldOutScores | None, str | None]:
     """The last published model's scores on this run's test split (evaluation.publish: if_better)."""
     import torch
 
-    from ballast import registry
-    from ballast.training.metrics import classification_sums
+    from ballast.storage import models as registry
+    from ballast.training.scores import classification_sums
 
     published = registry.latest(ctx)
     if published is None:
@@ -42,7 +42,7 @@ def run(ctx: RunContext) -> EvaluateResult:
 
     from ballast.training import checkpoint as ckpt
     from ballast.training.dataset.reader import load_split
-    from ballast.training.metrics import classification_sums, per_class_accuracy, reaches
+    from ballast.training.scores import classification_sums, per_class_accuracy, reaches
 
     spec = ctx.spec
     ev = spec.evaluation

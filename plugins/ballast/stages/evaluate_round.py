@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.records import RoundResult
 
 

@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from ballast.context import RunContext, safe_run_id
+from ballast.pipeline.context import RunContext, safe_run_id
 from ballast.records import PublishResult, RecoverySummary, RunReport, StageRecords, TrainingOutcome
 from ballast.recovery import history
 from ballast.storage import sha256_file
@@ -38,7 +38,7 @@ def run(ctx: RunContext) -> PublishResult:
         "input": spec.dataset.features[0].model_dump(), "num_classes": recorded["num_classes"],
         "test": test.model_dump(mode="json"),
         "dataset_id": conv.dataset_id, "checkpoint": str(best), "checkpoint_step": ver.best.step,
-        # Checked by every reader of the published weights (`ballast.registry.weights`).
+        # Checked by every reader of the published weights (`ballast.storage.models.weights`).
         "weights_sha256": sha256_file(best / "model.pt"),
         "training": training.model_dump(mode="json"),
         "spec": spec.model_dump(mode="json"), "published": time.time(),
@@ -85,7 +85,7 @@ def run(ctx: RunContext) -> PublishResult:
 
 def _beats_published(ctx: RunContext, ev) -> tuple[bool, str | None]:
     """(publish?, why) under evaluation.publish; `always` publishes without a reason."""
-    from ballast.training.metrics import improved
+    from ballast.training.scores import improved
 
     spec_ev = ctx.spec.evaluation
     if spec_ev.publish != "if_better" or ev.baseline is None:

@@ -6,7 +6,7 @@ try's record if it was killed before writing it, and adapting to the tries befor
 (`ballast.recovery.adapt`: a smaller micro-batch after out-of-memory, the on-demand pool after
 preemptions, an avoid list after a host's failure). It records itself in the attempt history
 (`ballast.recovery.history`) when it starts and when it ends. The try itself runs on the spec's backend
-through the one driver (`ballast.stages.train_try`, `ballast.backends.driver`): a training process that
+through the one driver (`ballast.stages.train_try`, `ballast.launch.driver`): a training process that
 shows no progress for `execution.hang_timeout_seconds` is ended and reported as a hang. Whether a failure gets
 a new try is the recovery policy's call (`ballast.recovery.policy`, per failure class).
 """
@@ -16,14 +16,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ballast import cachedir
-from ballast.context import RunContext
+from ballast.storage import cache_dir as cachedir
+from ballast.pipeline.context import RunContext
 from ballast.errors import Cancelled, CheckpointError, ConfigError, LaunchError, SpecError, failure_class
-from ballast.launch_spec import run_config
+from ballast.launch.config import run_config
 from ballast.records import RoundResult, TrainResult
 from ballast.recovery import adapt, history
 from ballast.recovery.policy import decide_unseen
-from ballast.backends import driver
+from ballast.launch import driver
 
 
 def run(ctx: RunContext) -> TrainResult:
@@ -189,7 +189,7 @@ def _warm_start(ctx: RunContext, ckpt_dir: Path) -> str | None:
 
     if not ctx.spec.evaluation.warm_start or ckpt.committed(ckpt_dir) or (ctx.round or 1) > 1:
         return None
-    from ballast import registry
+    from ballast.storage import models as registry
 
     published = registry.latest(ctx)
     if published is None:

@@ -1,5 +1,5 @@
 """One try of the train stage on any backend: its launch, run by the one driver
-(`ballast.backends.driver`), and its outcome read back into a train record or the error it ends with.
+(`ballast.launch.driver`), and its outcome read back into a train record or the error it ends with.
 
 Where the trainers run decides only what is in the launch and where their outputs are read: on this
 worker (`local`) the launch is torchrun over the run config in `out_dir`, the ranks write there, are
@@ -17,11 +17,11 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from ballast.backends import Ending, Launch, driver, job_key, job_name, job_ref, launch_for
-from ballast.context import RunContext
+from ballast.launch import Ending, Launch, driver, job_key, job_name, job_ref, launch_for
+from ballast.pipeline.context import RunContext
 from ballast.errors import Cancelled, training_error
-from ballast.launch_spec import torchrun_argv
-from ballast.node import NodeJob, outputs_prefix
+from ballast.launch.config import torchrun_argv
+from ballast.node import outputs_prefix
 from ballast.records import BestValidation, TrainResult
 from ballast.recovery.adapt import TrySettings
 
@@ -49,7 +49,7 @@ def run(ctx: RunContext, cache, cfg, out_dir: Path, ckpt_dir: Path, settings: Tr
         if here:
             targets = _publish_targets(ctx, out_dir)
             if not shared:  # S3: the stability view reads progress from storage
-                from ballast.outputs_sync import OutputsUpload
+                from ballast.storage.outputs import OutputsUpload
 
                 uploader = OutputsUpload(ctx, out_dir)
                 uploader.start()
@@ -61,14 +61,14 @@ def run(ctx: RunContext, cache, cfg, out_dir: Path, ckpt_dir: Path, settings: Tr
         if uploader is not None:
             uploader.finish()
         if targets is not None:
-            from ballast import prometheus_sd
+            from ballast.launch import prometheus_sd
 
             prometheus_sd.withdraw(targets)
         if warmer:
             warmer.join()
     if not here and not shared:
         _fetch_outputs(ctx, out_dir)
-        from ballast.outputs_sync import copy_outputs
+        from ballast.storage.outputs import copy_outputs
 
         copy_outputs(ctx, out_dir)  # where the stability view reads them
     if warmer and warmer.error and here:
@@ -81,7 +81,7 @@ def run(ctx: RunContext, cache, cfg, out_dir: Path, ckpt_dir: Path, settings: Tr
         if here:
             uploaded = upload_checkpoints(ctx, ckpt_dir)
         else:  # the stages after training (verify, evaluate) read the checkpoints here, as after a local try
-            from ballast import checkpoint_sync
+            from ballast.storage import checkpoints as checkpoint_sync
 
             pulled = [] if shared else checkpoint_sync.pull(ctx, ckpt_dir)
             uploaded = [ctx.storage.describe(f"{ctx.run_key}/checkpoints/{n}") for n in pulled]
@@ -117,7 +117,7 @@ def _launch_on_nodes(ctx: RunContext, cfg, out_dir: Path, ckpt_dir: Path, settin
 
     spec = ctx.spec
     shared = ctx.storage.local_path(ctx.run_key) is not None
-    root = getattr(ctx.storage, "root", None) if shared else None  # a LocalStorage: its directory
+    root = getattr(ctx.storage, "root", None) if shared else None  # a FileStorage: its directory
     launch = launch_for(spec, settings, dag_id=ctx.dag_id, run_id=ctx.run_id, task_id=ctx.task_id or "train",
                         try_number=ctx.try_number, job_ref=job_ref(ctx, ctx.try_number),
                         python=spec.execution.slurm.python if spec.execution.slurm else "python",
@@ -161,7 +161,7 @@ def _publish_targets(ctx: RunContext, out_dir: Path) -> Path | None:
     spec = ctx.spec
     if spec.execution.metrics_port is None:
         return None
-    from ballast import prometheus_sd
+    from ballast.launch import prometheus_sd
 
     try:
         return prometheus_sd.publish(pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id,
@@ -213,7 +213,7 @@ def failure(spec, rc: int, record: dict | None, log_tail: str, *, hung: bool, ca
 
 def upload_checkpoints(ctx: RunContext, ckpt_dir: Path) -> list[str]:
     """Copy committed checkpoints to remote storage (nothing to do when storage is this disk)."""
-    from ballast import checkpoint_sync
+    from ballast.storage import checkpoints as checkpoint_sync
 
     return [] if ctx.storage.local_path(ctx.run_key) is not None else checkpoint_sync.push(ctx, ckpt_dir)
 

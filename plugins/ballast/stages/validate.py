@@ -12,9 +12,9 @@ import shutil
 import time
 from pathlib import Path
 
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.errors import DataError, SpecError
-from ballast.rawdata import check_frame, fingerprint_files, raw_files, read_table
+from ballast.data.raw import check_frame, fingerprint_files, raw_files, read_table
 from ballast.records import Quarantine, ValidateResult
 from ballast.spec import RuleSpec
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from ballast.context import RunContext
+from ballast.pipeline.context import RunContext
 from ballast.errors import CheckpointError
 from ballast.records import CheckedCheckpoint, VerifyResult
 

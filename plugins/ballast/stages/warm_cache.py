@@ -1,7 +1,6 @@
 """Stage 3: copy the converted dataset into the node-local cache, in warm-up phases, every file verified.
 
-The spec's `cache.stages` are these warm-up phases (named "phases" in code and records, so that
-"stage" means a pipeline stage only). Phase k brings in the training files that hold the first
+The spec's `cache.phases` are these warm-up phases ("stage" means a pipeline stage only). Phase k brings in the training files that hold the first
 `fraction` of every rank's samples of epoch 0, in the order the trainer reads them (the same plan,
 training.dataset.order), so phase 1 is exactly what the first steps need. This task warms phase 1
 with the dataset's metadata and writes the cache's manifest; training starts then, and the train
@@ -12,7 +11,7 @@ validation set at its first evaluation.
 A file counts as cached only once its size and sha256 match the manifest: it is streamed into
 `.<name>.part`, hashed while written, and renamed only when it matches. A re-run skips verified
 files and resumes a partial download from where it stopped. The cache is the node's, shared by its
-runs (`ballast.cachedir`): one writer per file at a time, the dataset held against eviction while it
+runs (`ballast.storage.cache_dir`): one writer per file at a time, the dataset held against eviction while it
 is warmed, and `cache.max_bytes` counts the whole cache directory, evicting the least recently used
 datasets no try holds. Object keys that would leave the cache directory are refused, and a phase
 that would exceed the byte budget or the free disk is refused before it starts.
@@ -29,10 +28,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from ballast import cachedir
-from ballast.context import RunContext
+from ballast.storage import cache_dir as cachedir
+from ballast.pipeline.context import RunContext
 from ballast.errors import DataError, StorageError
-from ballast.progress import Progress
+from ballast.data.progress import Progress
 from ballast.records import WarmCacheResult, WarmUpPhase
 from ballast.storage import Storage, atomic_write_bytes, safe_join, sha256_file
 
@@ -130,7 +129,7 @@ def dataset_dir(ctx: RunContext) -> Path:
 
 
 def warm(ctx: RunContext, phase_indices: list[int], *, record_progress: bool = True) -> WarmCacheResult:
-    """Warm the phases `phase_indices` (0-based indices into `cache.stages`) into the node-local cache.
+    """Warm the phases `phase_indices` (0-based indices into `cache.phases`) into the node-local cache.
     `record_progress`: write the stability view's progress record (the train task's own warm-up; not a
     cluster node's, whose peers warm at the same time)."""
     conv = ctx.result("convert")
@@ -146,13 +145,13 @@ def _warm(ctx: RunContext, phase_indices: list[int], manifest: dict, cache_dir: 
     spec, prefix, fmt = ctx.spec, ctx.result("convert").prefix, ctx.spec.train_format
     for f in manifest["files"]:
         safe_join(cache_dir, f["path"])  # a manifest with one key escaping the cache is refused whole
-    phases = plan_phases(manifest, fmt, [s.fraction for s in spec.cache.stages],
+    phases = plan_phases(manifest, fmt, [s.fraction for s in spec.cache.phases],
                          world=spec.training.world_size, seed=spec.training.seed)
     budget = spec.cache.max_bytes
     summary: list[WarmUpPhase] = []
     t_all = time.monotonic()
     for i in phase_indices:
-        phase_spec, entries = spec.cache.stages[i], phases[i]
+        phase_spec, entries = spec.cache.phases[i], phases[i]
         t0 = time.monotonic()
         todo = []
         for e in entries:
@@ -190,7 +189,7 @@ def _warm(ctx: RunContext, phase_indices: list[int], manifest: dict, cache_dir: 
             atomic_write_bytes(cache_dir / "manifest.json", json.dumps(manifest, indent=2).encode())
     os.utime(cache_dir)
     return WarmCacheResult(cache_dir=str(cache_dir), format=fmt, phases=summary,
-                           pending_phases=max(0, len(spec.cache.stages) - 1 - max(phase_indices, default=0)),
+                           pending_phases=max(0, len(spec.cache.phases) - 1 - max(phase_indices, default=0)),
                            seconds=round(time.monotonic() - t_all, 3))
 
 
@@ -200,4 +199,4 @@ def run(ctx: RunContext) -> WarmCacheResult:
 
 def warm_rest(ctx: RunContext) -> WarmCacheResult:
     """The later phases (what `run` left for the train task to bring in beside training)."""
-    return warm(ctx, list(range(1, len(ctx.spec.cache.stages))))
+    return warm(ctx, list(range(1, len(ctx.spec.cache.phases))))

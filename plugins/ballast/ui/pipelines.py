@@ -51,7 +51,7 @@ class Catalog:
         return self._dir or specs_dir()
 
     def pipelines(self) -> dict[str, Pipeline]:
-        from ballast.render import spec_files
+        from ballast.airflow.dags import spec_files
 
         files = spec_files(self.directory) if self.directory.is_dir() else []
         stamp = tuple((str(p), p.stat().st_mtime_ns) for p in files)

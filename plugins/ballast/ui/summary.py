@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Any
 
-from ballast.context import run_key_for_reading
+from ballast.pipeline.context import run_key_for_reading
 from ballast.records import (
     AttemptHistory,
     ConvertResult,
@@ -262,7 +262,7 @@ def _stage_progress(r: Reader, convert: ConvertResult | None, warm: WarmCacheRes
 def _warm_up(warm: WarmCacheResult | None, spec: dict | None) -> dict[str, Any] | None:
     if warm is None:
         return None
-    stages = _section(spec, "cache").get("stages")
+    stages = _section(spec, "cache").get("phases") or _section(spec, "cache").get("stages")  # older runs: stages
     planned = [s.get("name") for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
     return {"phases": [p.model_dump() for p in warm.phases], "pending_phases": warm.pending_phases,
             "planned": planned, "seconds": warm.seconds, "format": warm.format}

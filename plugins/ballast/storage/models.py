@@ -1,0 +1,105 @@
+"""The published models of a pipeline: `models/<name>/<version>/` (model.pt, model_card.json, then
+PUBLISHED) and `models/<name>/LATEST` naming the newest version. Read by a warm start (the train task)
+and by `evaluation.publish: if_better` (the evaluate task scores the last published model on the same
+test split as the new one).
+
+What storage holds is not trusted: a version read from `LATEST` must be one version name (a path
+segment) before it is joined onto anything, and the weights must match the sha256 their model card
+records, checked on every load, a cached copy's included."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ballast.pipeline.context import RunContext
+from ballast.errors import BallastError, DataError
+from ballast.storage import sha256_file
+
+VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""What publish names a version (a UTC time and the run's key): one path segment, never '.' or '..'."""
+VERSION_BYTES = 256  # LATEST holds one version name: a bounded read
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Published:
+    version: str
+    prefix: str
+    card: dict[str, Any]
+
+    @property
+    def model_section(self) -> dict[str, Any]:
+        return self.card["model_section"]
+
+
+def latest(ctx: RunContext) -> Published | None:
+    """The pipeline's last published model, or None when it has published none."""
+    storage, name = ctx.storage, ctx.spec.name
+    key = f"models/{name}/LATEST"
+    if not storage.exists(key):
+        return None
+    with storage.open_read(key) as f:
+        raw = f.read(VERSION_BYTES)
+    version = raw.decode("utf-8", "replace").strip()
+    if not VERSION.fullmatch(version):
+        raise BallastError(f"{storage.describe(key)}: {version[:80]!r} is not one version name (letters, digits,"
+                           f" '.', '_', '-'; at most 128, no '/'); point LATEST at a published version or delete it")
+    prefix = f"models/{name}/{version}"
+    if not storage.exists(f"{prefix}/PUBLISHED"):
+        raise BallastError(f"{storage.describe(key)} names {version!r}, which has no PUBLISHED marker: an"
+                           f" incomplete publish; point LATEST at a complete version or delete it")
+    try:
+        card = json.loads(storage.read_bytes(f"{prefix}/model_card.json"))
+    except ValueError as exc:
+        raise BallastError(f"{storage.describe(prefix + '/model_card.json')}: unreadable model card ({exc})") from exc
+    if not isinstance(card, dict) or not _SHA256.fullmatch(str(card.get("weights_sha256"))):
+        # Published by an earlier Ballast (or edited): its weights cannot be checked, so they are not loaded.
+        ctx.log.warning("%s: no weights_sha256 (published by an earlier Ballast?): its weights cannot be checked,"
+                        " so it is neither an if_better baseline nor a warm start; the next model published"
+                        " carries one", storage.describe(prefix + "/model_card.json"))
+        return None
+    return Published(version=version, prefix=prefix, card=card)
+
+
+def weights(ctx: RunContext, published: Published, dest_dir: Path) -> Path:
+    """The published model's weights under `dest_dir`: a cached copy whose sha256 matches the model
+    card, or downloaded (into a file of this call's own) and checked before it takes the name."""
+    storage, key = ctx.storage, f"{published.prefix}/model.pt"
+    want = published.card.get("weights_sha256")
+    if not isinstance(want, str) or not _SHA256.fullmatch(want):
+        raise DataError(f"{storage.describe(published.prefix + '/model_card.json')}: no weights_sha256 (published"
+                        f" by an earlier Ballast, or edited): its weights cannot be checked; publish the model again")
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    if not VERSION.fullmatch(published.version):  # `latest` checked it; a Published made elsewhere is checked too
+        raise BallastError(f"{published.prefix}: {published.version[:80]!r} is not one version name")
+    dest = dest_dir / f"{published.version}.pt"
+    if dest.is_file() and sha256_file(dest) == want:
+        return dest
+    fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{dest.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        storage.download(key, Path(tmp))
+        if sha256_file(Path(tmp)) != want:
+            raise DataError(f"{storage.describe(key)}: its sha256 differs from the model card's weights_sha256: the"
+                            f" published model is damaged or was replaced; publish it again")
+        os.replace(tmp, dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return dest
+
+
+def load(path: Path, model_section: dict[str, Any]) -> Any:
+    """The model a published card describes, with its weights (loaded without unpickling)."""
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.config.run import ModelConfig
+    from ballast.training.models import build_configured_model
+
+    model = build_configured_model(ModelConfig.model_validate(model_section))
+    model.load_state_dict(ckpt.load_tensors(path))
+    return model
