@@ -15,7 +15,7 @@ export AIRFLOW__CORE__EXECUTOR ?= LocalExecutor
 export GX_ANALYTICS_ENABLED ?= False
 export TQDM_DISABLE ?= 1
 
-.PHONY: env java slurm browser prometheus redis demo test unit ui lint schema bench constraints clean vendor-uplot
+.PHONY: env java slurm browser prometheus postgres redis demo test unit ui lint schema bench constraints clean vendor-uplot
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,8 +45,13 @@ prometheus:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { echo "installing Prometheus"; \
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-# Debian's Redis, the Celery broker of the production path's test (PostgreSQL's server binaries come
-# with the machine image: initdb, pg_ctl).
+# PostgreSQL's server programs (initdb, pg_ctl) for the production path's test: the machine image's on the
+# PATH, or Debian's under /usr/lib/postgresql/<v>/bin, installed when neither is there.
+postgres:
+	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { echo "installing PostgreSQL"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql >/dev/null; }
+
+# Debian's Redis, the Celery broker of the production path's test.
 redis:
 	@command -v redis-server >/dev/null || { echo "installing Redis (redis-server)"; \
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
@@ -54,7 +59,7 @@ redis:
 demo: env
 	$(BIN)/ballast demo
 
-test: env slurm browser prometheus redis
+test: env slurm browser prometheus postgres redis
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 # The fast tier: in-process tests of spec, plan, records, launch specs, checkpoints and codecs (under a

@@ -1,5 +1,6 @@
 """Throwaway production services for the tests, on loopback and free ports: a PostgreSQL 15 cluster
-(`initdb`/`pg_ctl` from the machine image, run as the `postgres` user since PostgreSQL refuses root)
+(`initdb`/`pg_ctl` on the PATH or where Debian's postgresql package puts them, /usr/lib/postgresql/<v>/bin,
+which `make postgres` installs when neither has them; run as the `postgres` user since PostgreSQL refuses root)
 and a Redis server (Debian's redis-server: `make redis`). Every file of theirs lives under one
 temporary directory that is removed on stop; stop ends the servers (nothing outlives a test).
 """
@@ -32,11 +33,22 @@ def _wait_port(port: int, proc: subprocess.Popen | None, what: str, log: Path, t
     raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f}s; see {log}")
 
 
+def pg_tool(name: str) -> str | None:
+    """PostgreSQL's server program `name`: on the PATH, else the newest Debian install's."""
+    found = shutil.which(name)
+    if found:
+        return found
+    debian = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), key=lambda p: int(p.parts[-3]) if
+                    p.parts[-3].isdigit() else 0)
+    return str(debian[-1]) if debian else None
+
+
 def missing() -> str | None:
     """Why these services cannot start here (None: they can)."""
-    gone = [c for c in ("initdb", "pg_ctl", "redis-server") if shutil.which(c) is None]
+    gone = [c for c in ("initdb", "pg_ctl", "createdb") if pg_tool(c) is None]
+    gone += [c for c in ("redis-server",) if shutil.which(c) is None]
     if gone:
-        return f"{', '.join(gone)} not found: PostgreSQL comes with the machine image, Redis with `make redis`"
+        return f"{', '.join(gone)} not found: `make postgres redis` installs them (Debian's postgresql, redis-server)"
     return None
 
 
@@ -82,18 +94,18 @@ class Postgres(_Service):
     def start(self) -> Postgres:
         os.chmod(self.base, 0o755)
         os.chown(self.base, self.user.pw_uid, self.user.pw_gid)
-        self._as_owner(["initdb", "-D", str(self.data), "-U", "airflow", "--auth=trust", "-E", "UTF8", "--no-sync"])
-        self._as_owner(["pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start", "-o",
+        self._as_owner([pg_tool("initdb"), "-D", str(self.data), "-U", "airflow", "--auth=trust", "-E", "UTF8", "--no-sync"])
+        self._as_owner([pg_tool("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start", "-o",
                         f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off"
                         " -c max_connections=200"])
         _wait_port(self.port, None, "PostgreSQL", self.log)
-        self._as_owner(["createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "airflow", "airflow"])
+        self._as_owner([pg_tool("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "airflow", "airflow"])
         return self
 
     def stop(self) -> None:
         if (self.data / "postmaster.pid").exists():
             try:
-                self._as_owner(["pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop"])
+                self._as_owner([pg_tool("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"])
             except subprocess.CalledProcessError:
                 pid = int((self.data / "postmaster.pid").read_text().split()[0])
                 os.kill(pid, signal.SIGKILL)

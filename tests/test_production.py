@@ -61,7 +61,7 @@ def test_trigger_on_postgres_and_celery_survives_a_scheduler_restart_without_dup
     from ballast.launch.process import read_lease
 
     if why := missing():
-        pytest.skip(why)
+        pytest.fail(why)
     spec = load_spec(EXAMPLE_SPEC)
     with Postgres() as pg, Redis() as redis, LocalStack(free_port(), log_dir=tmp_path / "logs", celery_workers=2,
                                                         extra_env=production_env(pg, redis)) as stack:

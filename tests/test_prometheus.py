@@ -20,7 +20,7 @@ RULES = ROOT / "docker" / "prometheus" / "ballast-rules.yml"
 def _need(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        pytest.skip(f"{tool} is not installed (make prometheus)")
+        pytest.fail(f"{tool} is not installed: `make prometheus` installs it")
     return path
 
 

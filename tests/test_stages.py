@@ -194,26 +194,14 @@ def test_convert_and_warm_up_record_their_progress_while_they_work(tmp_path, dig
 
 
 @pytest.mark.integration
-def test_converted_shards_are_readable_by_petastorm_and_tfrecord(tmp_path, digits_raw):
+def test_converted_shards_are_readable_by_the_tfrecord_package(tmp_path, digits_raw):
+    """Petastorm, TensorFlow and Spark read them in tests/test_readers.py, each in its own environment."""
     ctx = make_ctx(tmp_path, digits_raw)
     out = run_chain(ctx, validate, convert)["convert"]
     root = Path(ctx.storage.local_path(out.prefix))
-    from petastorm import make_batch_reader, make_reader
     from sklearn.datasets import load_digits
 
     raw = {img.astype(np.float32).tobytes() for img in load_digits().images}
-    rows = []
-    with make_reader(f"file://{root}/petastorm/test", num_epochs=1, workers_count=1) as reader:
-        for row in reader:  # decoded through the Unischema's NdarrayCodec
-            assert row.image.shape == (8, 8) and row.image.dtype == np.float32
-            assert row.image.tobytes() in raw
-            rows.append(int(row.label))
-    assert len(rows) == 273
-    n = 0
-    with make_batch_reader(f"file://{root}/petastorm/test", num_epochs=1, workers_count=1) as reader:
-        for batch in reader:
-            n += len(batch.label)
-    assert n == 273
     from tfrecord.torch.dataset import TFRecordDataset
 
     ds = TFRecordDataset(str(root / "tfrecord/test/part-00000.tfrecord"), None, {"image": "byte", "label": "int"})
@@ -224,9 +212,7 @@ def test_converted_shards_are_readable_by_petastorm_and_tfrecord(tmp_path, digit
 
 
 @pytest.mark.integration
-def test_png_images_roundtrip_through_petastorm_and_the_training_reader(tmp_path):
-    from petastorm import make_reader
-
+def test_png_images_roundtrip_through_the_training_reader(tmp_path):
     from ballast.training.dataset.reader import load_split
 
     rng = np.random.default_rng(3)
@@ -245,9 +231,6 @@ def test_png_images_roundtrip_through_petastorm_and_the_training_reader(tmp_path
     head = (root / "petastorm/train/part-00000.parquet").read_bytes()
     assert b"PNG" in head  # compressed images, not raw arrays
     known = {img.tobytes(): lab for img, lab in zip(images, labels)}
-    with make_reader(f"file://{root}/petastorm/validation", num_epochs=1, workers_count=1) as reader:
-        for row in reader:
-            assert row.image.dtype == np.uint8 and known[row.image.tobytes()] == row.label
     test = load_split(Path(out["warm_cache"].cache_dir), "test", fmt="petastorm")
     assert all(known[x.astype(np.uint8).tobytes()] == y for x, y in zip(test.features, test.labels))
 
@@ -400,26 +383,6 @@ def test_training_is_ended_when_the_background_warm_up_fails(tmp_path):
                      tmp_path, log, hang_timeout=600,
                      should_stop=lambda: DataError("damaged shard") if time.monotonic() > failed_at else None)
     assert not end.hung and end.exit_code != 0 and time.monotonic() - t0 < 20
-
-
-@pytest.mark.unit
-def test_vectorised_encoding_is_exactly_what_petastorm_codecs_write():
-    from petastorm.codecs import CompressedImageCodec, NdarrayCodec
-    from petastorm.unischema import UnischemaField
-
-    from ballast.data.packing import FeatureEncoder
-    from ballast.spec import FieldSpec
-
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(5, 3, 4)).astype(np.float32)
-    enc = FeatureEncoder(FieldSpec(name="f", type="float32", shape=(3, 4)))
-    field = UnischemaField("f", np.float32, (3, 4), NdarrayCodec(), False)
-    assert enc.encode(x).to_pylist() == [bytes(NdarrayCodec().encode(field, row)) for row in x]
-    img = rng.integers(0, 256, size=(3, 6, 5, 3), dtype=np.uint8)
-    png = FeatureEncoder(FieldSpec(name="g", type="uint8", shape=(6, 5, 3)))
-    gfield = UnischemaField("g", np.uint8, (6, 5, 3), CompressedImageCodec("png"), False)
-    decoded = [CompressedImageCodec("png").decode(gfield, v) for v in png.encode(img).to_pylist()]
-    assert all((d == i).all() for d, i in zip(decoded, img))  # lossless, and RGB order as petastorm expects
 
 
 @pytest.mark.integration

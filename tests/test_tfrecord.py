@@ -3,16 +3,13 @@
 The shards are written by `ballast.data.packing.write_shard`, what both conversion engines call (the Spark
 engine's output is byte-identical to the arrow engine's: tests/test_convert_spark.py). They are parsed
 with the feature description the README documents, through the `tfrecord` package here, and through
-TensorFlow itself when BALLAST_TF_PYTHON names a Python that has it (TensorFlow is not in the
-project's environment; `python3.11 -m venv /tmp/tfenv && /tmp/tfenv/bin/pip install tensorflow-cpu`).
+TensorFlow itself, in an environment of its own that the tests build and cache (tests/readers.py:
+TensorFlow is not in the project's environment).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +19,7 @@ from ballast.spec import FieldSpec
 
 from ballast.training.dataset.format import FORMAT_VERSION
 from ballast.training.dataset.reader import load_split
+from readers import readme_recipe, run_reader
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -64,14 +62,6 @@ def write_dataset(root: Path, dtype: str, shape: tuple[int, ...], codec: str,
     (root / "manifest.json").write_text(json.dumps(manifest))
     return x, y
 
-
-def readme_recipe() -> str:
-    """The Python block of the README's "Reading the TFRecord shards from TensorFlow" paragraph."""
-    text = README.read_text()
-    at = text.index("**Reading the TFRecord shards from TensorFlow.**")
-    match = re.compile(r"```python\n(.*?)```", re.S).search(text, at)
-    assert match, "README: the TFRecord paragraph has no ```python block"
-    return match.group(1)
 
 
 class TensorFlowByTheTfrecordPackage:
@@ -207,22 +197,15 @@ np.savez(sys.argv[3], x=np.stack(xs), y=np.asarray(ys, np.int64))
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not os.environ.get("BALLAST_TF_PYTHON"),
-                    reason="BALLAST_TF_PYTHON is not set: point it at a Python with TensorFlow (not in .venv)")
 def test_tensorflow_reads_the_shards_with_the_readme_recipe(tmp_path):
-    python = os.environ["BALLAST_TF_PYTHON"]
     recipe = tmp_path / "recipe.py"
     recipe.write_text(readme_recipe())
-    script = tmp_path / "read.py"
-    script.write_text(TF_SCRIPT)
     for i, (dtype, shape, codec) in enumerate(CASES):
         root = tmp_path / f"case{i}"
         root.mkdir()
         x, y = write_dataset(root, dtype, shape, codec)
         out = tmp_path / f"case{i}.npz"
-        run = subprocess.run([python, str(script), str(recipe), str(root), str(out)], capture_output=True, text=True,
-                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
-        assert run.returncode == 0, f"{dtype} {list(shape)} {codec}: {run.stderr[-2000:]}"
+        run_reader("tensorflow", TF_SCRIPT, str(recipe), str(root), str(out))
         with np.load(out, allow_pickle=False) as got:
             assert got["x"].dtype == x.dtype and got["x"].shape == x.shape, (dtype, shape, codec)
             assert np.array_equal(got["x"], x), (dtype, shape, codec)

@@ -240,7 +240,7 @@ def _browser():
     import shutil
 
     if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.skip("Debian's chromium and chromium-driver are not installed (make browser)")
+        pytest.fail("Debian's chromium and chromium-driver are not installed: `make browser` installs them")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from ballast.data.petastorm_format import ROW_GROUPS_PER_FILE_KEY, UNISCHEMA_KEY, Field, unischema_bytes
 from ballast.errors import DataError
 from ballast.spec import DatasetSpec, FieldSpec
 from ballast.training.dataset.format import (FORMAT_VERSION, FeatureLayout, encode_images, encode_npy, npy_header, numpy_dtype,
@@ -55,23 +56,19 @@ def layout(dataset: DatasetSpec) -> dict:
             "label": {"name": dataset.label, "num_classes": dataset.num_classes}}
 
 
-def unischema(dataset: DatasetSpec) -> Any:
-    """The Petastorm Unischema of the packed dataset: feature with its codec, label as a scalar."""
-    import numpy as np
-    from petastorm.codecs import CompressedImageCodec, NdarrayCodec, ScalarCodec
-    from petastorm.unischema import Unischema, UnischemaField
-    from pyspark.sql.types import LongType
-
+def unischema(dataset: DatasetSpec) -> bytes:
+    """The pickled Petastorm Unischema of the packed dataset (feature with its codec, label as a
+    scalar), written without Petastorm (ballast.data.petastorm_format)."""
     f = dataset.features[0]
     codec = f.storage_codec
     if codec in ("png", "jpeg"):
-        field = UnischemaField(f.name, np.uint8, tuple(f.shape), CompressedImageCodec(codec), False)
+        field = Field(f.name, "uint8", tuple(f.shape), codec)
     elif codec == "ndarray":
-        field = UnischemaField(f.name, numpy_dtype(f.type).type, tuple(f.shape), NdarrayCodec(), False)
+        field = Field(f.name, numpy_dtype(f.type).name, tuple(f.shape), "ndarray")
     else:
         raise DataError(f"dataset.fields: feature {f.name!r} is a scalar; the packed format needs an array feature")
-    label = UnischemaField(dataset.label, np.int64, (), ScalarCodec(LongType()), False)
-    return Unischema(f"{dataset.label}_dataset".replace("-", "_"), [field, label])
+    label = Field(dataset.label, "int64", (), "scalar")
+    return unischema_bytes(f"{dataset.label}_dataset".replace("-", "_"), [field, label])
 
 
 # --- reading the raw input in bounded batches ---------------------------------------------------------
@@ -230,18 +227,16 @@ def _write_tfrecord(path: Path, feature: Any, labels: Any, layout: FeatureLayout
             out.write(length + crc(length) + record + crc(record))
 
 
-def write_petastorm_metadata(split_dir: Path, schema: Any, entries: list[dict]) -> Path:
-    """`_common_metadata` as petastorm's materialize_dataset writes it: Unischema and row groups per file."""
-    import pickle
-
+def write_petastorm_metadata(split_dir: Path, schema: bytes, entries: list[dict]) -> Path:
+    """`_common_metadata` as petastorm's materialize_dataset writes it: the pickled Unischema
+    (`unischema`) and row groups per file."""
     import pyarrow.parquet as pq
-    from petastorm.etl.dataset_metadata import ROW_GROUPS_PER_FILE_KEY, UNISCHEMA_KEY
 
     parquet = [e for e in entries if e["path"].endswith(".parquet")]
     arrow_schema = pq.read_schema(split_dir / Path(parquet[0]["path"]).name)
     groups = {Path(e["path"]).name: len(e["row_groups"]) for e in parquet}
     meta = dict(arrow_schema.metadata or {})
-    meta[UNISCHEMA_KEY] = pickle.dumps(schema)
+    meta[UNISCHEMA_KEY] = schema
     meta[ROW_GROUPS_PER_FILE_KEY] = json.dumps(groups).encode()
     path = split_dir / "_common_metadata"
     pq.write_metadata(arrow_schema.with_metadata(meta), path)
