@@ -1,0 +1,62 @@
+"""`hf_causal_lm`: a Hugging Face `transformers` causal language model, for fine-tuning (extra `hf`).
+
+Options: `config` (a mapping for `transformers.AutoConfig.for_model`, e.g. {model_type: gpt2, n_layer: 2,
+...}: a fresh model), or `path` (a local directory holding config.json and safetensors weights: loaded
+with `use_safetensors=True`, never a pickle). The model's vocabulary must hold the dataset's token ids.
+Its forward returns the logits tensor (N, T, vocab), as every Ballast language model does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+OPTIONS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "config": {"type": "object", "required": ["model_type"],
+                   "properties": {"model_type": {"type": "string", "minLength": 1}}},
+        "path": {"type": "string", "minLength": 1},
+    },
+    "oneOf": [{"required": ["config"]}, {"required": ["path"]}],
+    "additionalProperties": False,
+}
+
+
+def hf_causal_lm(options: dict[str, Any], data: dict[str, Any]) -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("hf_causal_lm needs the transformers package: pip install 'ballast[hf]'") from exc
+    import torch.nn as nn
+
+    if data.get("task") != "causal_lm":
+        raise ValueError(f"model 'hf_causal_lm' is a language model (task causal_lm), not for task {data.get('task')}")
+    if "path" in options:
+        path = Path(options["path"])
+        if not (path / "config.json").is_file():
+            raise ValueError(f"options.path: {path} holds no config.json of a Hugging Face model")
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"options.path: {path} holds no .safetensors weights (pickled weights are not loaded)")
+        inner = transformers.AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True)
+    else:
+        settings = dict(options["config"])
+        kind = settings.pop("model_type")
+        config = transformers.AutoConfig.for_model(kind, **settings)
+        inner = transformers.AutoModelForCausalLM.from_config(config)
+    vocab = int(inner.get_input_embeddings().num_embeddings)
+    if data.get("vocab_size") and int(data["vocab_size"]) > vocab:
+        raise ValueError(f"the model's vocabulary has {vocab} tokens, the dataset's tokenizer {data['vocab_size']}")
+
+    class CausalLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = inner
+
+        def forward(self, tokens):
+            return self.model(input_ids=tokens.long(), use_cache=False).logits
+
+    return CausalLM()
+
+
+hf_causal_lm.options_schema = OPTIONS_SCHEMA
