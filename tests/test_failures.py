@@ -54,19 +54,19 @@ def run_ctx(cached, run_id: str) -> RunContext:
 def write_checkpoint(root: Path, spec, step: int, *, hidden: int | None = None) -> Path:
     """A committed checkpoint of the spec's model (another width with `hidden`), with the trainer state
     a real one records."""
+    from ballast.launch.config import run_config
     from ballast.training import checkpoint as ckpt
-    from ballast.training.models import build_model
+    from ballast.training.models import build_configured_model
 
-    t, feature = spec.training, spec.dataset.features[0]
-    width = hidden or t.hidden_size
-    model = build_model(t.model, input_shape=list(feature.shape), num_classes=spec.dataset.num_classes,
-                        hidden=width)
+    section = run_config(spec, data_dir=".", data_format="petastorm", checkpoint_dir=".", output_dir=".").model
+    if hidden:
+        section = section.model_copy(update={"options": {**section.options, "hidden_size": hidden}})
+    model = build_configured_model(section)
     w = ckpt.Writer(root, step, rank=0, barrier=lambda: None)
     w.begin()
     w.write_tensors("model.pt", model.state_dict())
     w.write_json("trainer.json", {"step": step, "epoch": 1, "history": [{"epoch": 0, "accuracy": 0.5}],
-                                  "model": t.model, "input_shape": list(feature.shape),
-                                  "num_classes": spec.dataset.num_classes, "hidden_size": width})
+                                  "model": section.model_dump(mode="json")})
     return w.commit()
 
 
@@ -121,8 +121,7 @@ def test_a_checkpoint_without_its_model_section_fails_verification_without_retry
                                          best=None, micro_batch_size=8, uploaded_checkpoints=[]))
     # Written by an older trainer: no model section. Re-committed so that only the content is at issue.
     state = json.loads((best / "trainer.json").read_text())
-    for key in ("model", "input_shape", "num_classes", "hidden_size"):
-        del state[key]
+    del state["model"]
     from ballast.training import checkpoint as ckpt
 
     w = ckpt.Writer(best.parent, 10, rank=0, barrier=lambda: None)
@@ -130,7 +129,7 @@ def test_a_checkpoint_without_its_model_section_fails_verification_without_retry
     (w.tmp / "model.pt").write_bytes((best / "model.pt").read_bytes())
     w.write_json("trainer.json", state)
     w.commit()
-    with pytest.raises(AirflowFailException, match=rf"^verify_checkpoint: {best / 'trainer.json'}: records no model"):
+    with pytest.raises(AirflowFailException, match=rf"^verify_checkpoint: {best / 'trainer.json'}: records no model section"):
         run_stage("verify_checkpoint", spec_data=cached[0], spec_file="digits.yaml",
                   context=airflow_context("unrecorded"))
 

@@ -415,10 +415,12 @@ def test_average_export_cli(tmp_path):
 @pytest.mark.integration
 def test_checkpoint_from_another_model_shape_is_refused(tmp_path, digits_cache):
     assert run_single(config(tmp_path, digits_cache, epochs=1)).returncode == 0
-    proc = run_single(config(tmp_path, digits_cache, epochs=2, changes={"model.hidden_size": 64}))
+    proc = run_single(config(tmp_path, digits_cache, epochs=2,
+                             changes={"model.options": {"hidden_size": 64, "dropout": 0.1}}))
     assert proc.returncode == EXIT_CODES["data"]
     assert "refusing to resume" in record(tmp_path)["exception"]
-    assert "(hidden 128), not this run's mlp [8, 8] -> 10 (hidden 64)" in record(tmp_path)["exception"]
+    assert ("checkpoint is for model mlp(dropout=0.1, hidden_size=128) for classification [8, 8], not this run's"
+            " mlp(dropout=0.1, hidden_size=64) for classification [8, 8]") in record(tmp_path)["exception"]
 
 
 @pytest.mark.integration

@@ -1,4 +1,5 @@
-"""training.metrics: the scores and the better/threshold rule that the trainer and evaluate share; the
+"""training.scores and training.tasks.ops: the scores and the better/threshold rule that the trainer and
+evaluate share (each task's metrics against hand computations: tests/test_tasks.py); the
 per-rank Prometheus endpoint (training.monitor.Metrics) and how the ranks are found."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import urllib.request
 
 import pytest
 import ballast.training.scores
-from ballast.training.scores import ScoreSums, classification_sums, improved, per_class_accuracy, reaches
+from ballast.training.scores import improved, mode_of, reaches
+from ballast.training.tasks.ops import TaskOps, per_class_accuracy
 
 pytestmark = pytest.mark.unit
 
@@ -21,24 +23,25 @@ def test_scores_from_parts_summed_over_shards_equal_the_whole():
     import torch
     import torch.nn.functional as F
 
+    ops = TaskOps("classification", num_classes=7)
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(101, 7, generator=g), torch.randint(0, 7, (101,), generator=g)
-    whole = classification_sums(logits, labels).scores()
+    whole = ops.score(logits, labels)
     assert whole["loss"] == pytest.approx(float(F.cross_entropy(logits, labels)), rel=1e-6)
     assert whole["accuracy"] == pytest.approx(float((logits.argmax(1) == labels).float().mean()))
     assert whole["samples"] == 101
-    shards = [classification_sums(logits[r::3], labels[r::3]) for r in range(3)]  # three ranks
-    summed = ScoreSums.from_list([sum(p) for p in zip(*(s.as_list() for s in shards))])
-    assert summed.scores() == pytest.approx(whole)
-    assert (shards[0] + shards[1] + shards[2]).scores() == pytest.approx(whole)
+    shards = [ops.parts(logits[r::3], labels[r::3]) for r in range(3)]  # three ranks
+    summed = [sum(p) for p in zip(*shards)]
+    assert ops.scores(summed) == pytest.approx(whole)
 
 
 def test_an_empty_shard_scores_nothing_without_dividing_by_zero():
     import torch
 
-    empty = classification_sums(torch.zeros(0, 3), torch.zeros(0, dtype=torch.int64))
-    assert empty == ScoreSums(samples=0.0, loss_sum=0.0, correct=0.0)
-    assert empty.scores() == {"accuracy": 0.0, "loss": 0.0, "samples": 0.0}
+    ops = TaskOps("classification", num_classes=3)
+    empty = ops.parts(torch.zeros(0, 3), torch.zeros(0, dtype=torch.int64))
+    assert empty == [0.0, 0.0, 0.0] == ops.empty_parts()
+    assert ops.scores(empty) == {"accuracy": 0.0, "loss": 0.0, "samples": 0.0}
 
 
 def test_per_class_accuracy():
@@ -63,6 +66,11 @@ def test_improved_is_strict_beyond_min_delta(value, best, mode, delta, expected)
 ])
 def test_reaches_includes_the_threshold(value, threshold, mode, expected):
     assert reaches(value, threshold, mode=mode) is expected
+
+
+def test_every_metric_has_its_direction():
+    assert [mode_of(m) for m in ("accuracy", "mean_iou", "dice")] == ["max"] * 3
+    assert [mode_of(m) for m in ("loss", "perplexity", "bits_per_byte", "rmse", "mae")] == ["min"] * 5
 
 
 def test_the_metrics_module_imports_no_torch_at_module_level():

@@ -52,7 +52,7 @@ def test_defaults_come_from_the_seed_documents():
 # Each bad input gets one line naming file, line, field path, the bad value and what is allowed.
 BAD = [
     ("unknown_key", lambda d: d["training"].update(bogus=1),
-     r"bad\.yaml:\d+: training\.bogus: unknown key 'bogus'; allowed here: model, hidden_size"),
+     r"bad\.yaml:\d+: training\.bogus: unknown key 'bogus'; allowed here: task, model, hidden_size"),
     ("wrong_type", lambda d: d["training"].update(epochs="ten"),
      r"bad\.yaml:\d+: training\.epochs: must be an integer \(got 'ten'\)"),
     ("negative_size", lambda d: d["training"].update(micro_batch_size=-4),
@@ -64,11 +64,11 @@ BAD = [
      r" = 32 x 2 x 1 = 64 \(got 100\)"),
     ("missing_dataset", lambda d: d.pop("dataset"), r"bad\.yaml: dataset: required field is missing"),
     ("unknown_capitalised_key", lambda d: d["training"].update(Epochs=3),
-     r"bad\.yaml:\d+: training\.Epochs: unknown key 'Epochs'; allowed here: model, hidden_size"),
+     r"bad\.yaml:\d+: training\.Epochs: unknown key 'Epochs'; allowed here: task, model, hidden_size"),
     ("unknown_capitalised_section", lambda d: d.update(Training={}),
      r"bad\.yaml:\d+: Training: unknown key 'Training'; allowed here: version, name"),
     ("unknown_model", lambda d: d["training"].update(model="resnet9000"),
-     r"training\.model: unknown model 'resnet9000'; known: mlp, cnn, embed"),
+     r"training\.model\.name: unknown model 'resnet9000'; registered: cnn, embed, gpt, hf_causal_lm, mlp, unet"),
     ("bad_precision", lambda d: d["training"].update(precision="fp64"),
      r"training\.precision: must be one of 'fp32', 'bf16' or 'fp16' \(got 'fp64'\)"),
     ("label_not_a_field", lambda d: d["dataset"].update(label="target"),
@@ -256,14 +256,17 @@ def test_each_settings_section_reaches_the_run_config_whole():
     cfg = run_config(spec, data_dir="/d", data_format="tfrecord", checkpoint_dir="/c", output_dir="/o",
                      micro_batch_size=4)
     decided = {"micro_batch_size": 4, "learning_rate": t.effective_learning_rate}  # the try's, not the spec's
-    carried = {s.RunSettings: cfg, s.ModelSettings: cfg.model, s.LoaderSettings: cfg.data, s.BatchSettings: cfg.batch,
+    carried = {s.RunSettings: cfg, s.LoaderSettings: cfg.data, s.BatchSettings: cfg.batch,
                s.OptimSettings: cfg.optim, s.NumericsSettings: cfg.numerics, s.DistributedSettings: cfg.distributed,
                s.ResourceSettings: cfg.resources}
     for cls, got in carried.items():
         assert got.model_dump(include=set(cls.model_fields)) == {**t.section(cls).model_dump(), **{
             k: v for k, v in decided.items() if k in cls.model_fields}}, cls.__name__
     assert cfg.optim.learning_rate != t.learning_rate and cfg.batch.micro_batch_size != t.micro_batch_size
-    assert (cfg.model.dropout, cfg.data.loader_prefetch, cfg.distributed.parallelism) == (0.3, 3, "fsdp")
+    # The model section: the entry point, its options (mlp's from the flat hidden_size and dropout), the task.
+    assert (cfg.model.name, cfg.model.options) == (t.model.name, {"hidden_size": t.hidden_size, "dropout": 0.3})
+    assert cfg.model.task == t.task == "classification" and cfg.model.data["num_classes"] == spec.dataset.num_classes
+    assert (cfg.model.options["dropout"], cfg.data.loader_prefetch, cfg.distributed.parallelism) == (0.3, 3, "fsdp")
     assert cfg.checkpoint.model_dump(include=set(s.CheckpointSettings.model_fields)) == t.checkpoint.model_dump()
     assert cfg.monitors == t.monitors and cfg.early_stop == spec.evaluation.section(s.EarlyStopSettings)
     assert cfg.recovery == spec.recovery.section(s.RecoverySettings)

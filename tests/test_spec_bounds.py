@@ -160,16 +160,16 @@ def test_a_few_aliases_still_load(tmp_path):
 
 @pytest.mark.unit
 def test_lint_reports_an_unexpected_error_as_one_line_and_goes_on(tmp_path, capsys, monkeypatch):
-    import ballast.spec
+    import ballast.spec.loading
 
-    real = ballast.spec.load_spec
+    real = ballast.spec.loading.load_spec
 
     def load(path):
         if path.name == "odd.yaml":
             raise OverflowError("cannot convert float infinity to integer")
         return real(path)
 
-    monkeypatch.setattr(ballast.spec, "load_spec", load)
+    monkeypatch.setattr(ballast.spec.loading, "load_spec", load)  # what lint_spec reads the spec with
     odd, good = write_spec(tmp_path / "odd.yaml"), write_spec(tmp_path / "good.yaml")
     assert cli(["lint", str(odd), str(good)]) == 1
     lines = capsys.readouterr().out.splitlines()
@@ -300,8 +300,8 @@ def test_the_run_config_refuses_what_the_spec_refuses():
                      output_dir=".")
     with pytest.raises(ConfigFailure, match=r"execution\.hang_timeout_seconds: must be a finite number \(got inf\)"):
         cfg.updated({"execution.hang_timeout_seconds": INF})
-    with pytest.raises(ConfigFailure, match=r"model\.input_shape: 18446744073709551616 elements per value"):
-        cfg.updated({"model.input_shape": [2**32, 2**32]})
+    with pytest.raises(ConfigFailure, match=r"model\.data\.input_shape: 18446744073709551616 elements per value"):
+        cfg.updated({"model.data": {**cfg.model.data, "input_shape": [2**32, 2**32]}})
     with pytest.raises(ConfigFailure, match=r"seed: must be >= 0 \(got -1\)"):
         cfg.updated({"seed": -1})
 

@@ -176,25 +176,33 @@ def test_prune_keeps_last_k_and_best(tmp_path):
 def test_checkpoint_recorded_model_rebuilds_the_model_without_the_spec(tmp_path):
     import torch
 
-    from ballast.training.models import build_model
+    from ballast.training.config.run import ModelConfig
+    from ballast.training.models import build_configured_model
 
-    section = {"model": "mlp", "input_shape": [4, 4], "num_classes": 3, "hidden_size": 16, "dropout": 0.2}
-    trained = build_model("mlp", input_shape=[4, 4], num_classes=3, hidden=16, dropout=0.2)
+    section = {"name": "mlp", "options": {"hidden_size": 16, "dropout": 0.2},
+               "data": {"task": "classification", "input_shape": [4, 4], "input_dtype": "float32", "num_classes": 3,
+                        "inputs": {"x": {"shape": [4, 4], "dtype": "float32"}}}}
+    trained = build_configured_model(ModelConfig.model_validate(section))
     w = ckpt.Writer(tmp_path, 10, rank=0, barrier=lambda: None)
     w.begin()
     w.write_tensors("model.pt", trained.state_dict())
-    w.write_json("trainer.json", {"step": 10, **section})
+    w.write_json("trainer.json", {"step": 10, "model": section})
     good = w.commit()
     recorded = ckpt.recorded_model(good)
     assert recorded == section
-    rebuilt = build_model(recorded["model"], input_shape=recorded["input_shape"], num_classes=recorded["num_classes"],
-                          hidden=recorded["hidden_size"], dropout=recorded["dropout"])
+    rebuilt = build_configured_model(ModelConfig.model_validate(recorded))
     rebuilt.load_state_dict(ckpt.load_tensors(good / "model.pt"))  # the recorded shapes fit the weights
     assert all(torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), trained.state_dict().values()))
 
     old = _fake_checkpoint(tmp_path, 20)  # trainer.json of a version that recorded no model
-    with pytest.raises(ckpt.CheckpointFailure, match=r"step-00000020/trainer\.json: records no model, input_shape,"
-                                                     r" num_classes, hidden_size; the model cannot be rebuilt"):
+    with pytest.raises(ckpt.CheckpointFailure, match=r"step-00000020/trainer\.json: records no model section \(name,"
+                                                     r" options, data\); the model cannot be rebuilt"):
+        ckpt.recorded_model(old)
+    earlier = json.loads((old / "trainer.json").read_text())  # the previous version's: the fields flat
+    (old / "trainer.json").write_text(json.dumps({**earlier, "model": "mlp", "input_shape": [4, 4], "num_classes": 3,
+                                                  "hidden_size": 16}))
+    with pytest.raises(ckpt.CheckpointFailure, match=r"step-00000020/trainer\.json: written by an earlier Ballast"
+                                                     r" \(model 'mlp' without its options and data\)"):
         ckpt.recorded_model(old)
     (old / "trainer.json").unlink()
     with pytest.raises(ckpt.CheckpointFailure, match=r"step-00000020/trainer\.json: unreadable trainer state"):
@@ -316,9 +324,10 @@ def test_truncated_or_damaged_shards_are_named(tmp_path, digits_raw, fmt):
 def test_embeddings_stay_fp32_under_bf16_autocast():
     import torch
 
-    from ballast.training.models import build_model
+    from ballast.training.models.classic import embed
 
-    model = build_model("embed", input_shape=[8, 8], num_classes=10, hidden=32)
+    model = embed({"hidden_size": 32}, {"task": "classification", "input_shape": [8, 8], "num_classes": 10,
+                                        "inputs": {"image": {"shape": [8, 8], "dtype": "uint8"}}})
     x = torch.randint(0, 256, (4, 8, 8)).float()
     seen = {}
     model.values.register_forward_hook(lambda m, i, o: seen.update(embedding=o.dtype))

@@ -29,10 +29,11 @@ from ballast.training import checkpoint as ckpt
 from ballast.training.anomaly import AnomalyPolicy, Verdict
 from ballast.training.checkpoint.manager import CheckpointManager
 from ballast.training.config import RunConfig
+from ballast.training.dataset.format import read_manifest
 from ballast.training.dataset.loader import EpochLoader
 from ballast.training.dataset.reader import Split, load_split
 from ballast.training.distributed import Distributed
-from ballast.training.failure import DataFailure, DivergenceFailure, Preempted, TrainingFailure
+from ballast.training.failure import ConfigFailure, DataFailure, DivergenceFailure, Preempted, TrainingFailure
 from ballast.training.faults import Injector, load_faults
 from ballast.training.preflight import run_checks, state_bytes
 from ballast.training.models import build_configured_model, build_optimizer
@@ -40,6 +41,7 @@ from ballast.training.monitor import Metrics, grad_stats
 from ballast.training.outputs import Summary, write_summary
 from ballast.training.state import TrainState
 from ballast.training.supervision import Supervision
+from ballast.training.tasks import check_columns, ops as task_ops
 
 
 class Trainer:
@@ -75,9 +77,14 @@ class Trainer:
                                       seed=cfg.seed, workers=data.loader_workers, prefetch=data.loader_prefetch,
                                       wait_seconds=data.wait_seconds)
         self._val_data: Split | None = None  # loaded at the first evaluation: a staged cache may bring it later
-        if tuple(self.train_data.decoder.shape) != tuple(cfg.model.input_shape):
-            raise DataFailure(f"{data.directory}: feature {data.feature!r} has shape"
-                              f" {list(self.train_data.decoder.shape)}, the model expects {list(cfg.model.input_shape)}")
+        manifest = read_manifest(Path(data.directory))
+        check_columns(manifest, cfg.model.data, cfg.data.features, where=data.directory)
+        # The task's loss and metrics (bits per byte from the tokenizer's byte lengths).
+        self.task = task_ops.TaskOps(cfg.model.task, num_classes=cfg.model.data.get("num_classes"),
+                                     token_bytes=(manifest.get("tokenizer") or {}).get("token_bytes"))
+        if cfg.early_stop.metric not in self.task.metrics:
+            raise ConfigFailure(f"early_stop.metric: {cfg.early_stop.metric!r} is not computed on this dataset ("
+                                f"{cfg.model.task}: {', '.join(self.task.metrics)}; bits_per_byte needs a tokenizer)")
 
         self.raw_model = build_configured_model(cfg.model).to(self.dist.device)
         self.model = self.dist.parallelize(self.raw_model)
@@ -127,13 +134,13 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
 
     def _forward_loss(self, x, y, factor: float | None):
+        """The task's loss of a micro-batch (computed in fp32 whatever the autocast precision)."""
         import torch
-        import torch.nn.functional as F
 
         ctx = torch.autocast(self.dist.device.type, dtype=self.autocast_dtype) \
             if self.autocast_dtype is not None else contextlib.nullcontext()
         with ctx:
-            loss = F.cross_entropy(self.model(x).float(), y)
+            loss = self.task.loss(self.model(x), y)
         return loss * factor if factor is not None else loss
 
     def _anomaly(self, kind: str, **fields: Any) -> None:
@@ -145,7 +152,8 @@ class Trainer:
         if self._val_data is None:
             cfg = self.cfg
             self._val_data = load_split(Path(cfg.data.directory), "validation", fmt=cfg.data.format,
-                                        num_classes=cfg.model.num_classes, wait_seconds=cfg.data.wait_seconds)
+                                        num_classes=cfg.model.data.get("num_classes"),
+                                        wait_seconds=cfg.data.wait_seconds)
         return self._val_data
 
     def train_epoch(self) -> bool:
@@ -197,8 +205,10 @@ class Trainer:
         # An anomaly checkpoint records the generators as before this forward pass (its dropout masks).
         self._rng_before = self.checkpoints.rng_state()
         mb, accum = cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps
-        micro = [(xb[i * mb:(i + 1) * mb].to(self.dist.device, non_blocking=True),
-                  yb[i * mb:(i + 1) * mb].to(self.dist.device, non_blocking=True)) for i in range(accum)]
+        device, task = self.dist.device, self.task
+        # Inputs a tensor or a dict of tensors; the target None where the task makes it (causal_lm).
+        micro = [task.prepare(task_ops.to_device(x, device), task_ops.to_device(y, device))
+                 for x, y in task_ops.micro_batches(xb, yb, mb, accum)]
         t1 = time.monotonic()
         agreed = self._forward_backward(micro, self.faults.loss_factor(st.step + 1))
         t2 = time.monotonic()
@@ -324,19 +334,13 @@ class Trainer:
         return True
 
     def evaluate(self, data: Split) -> dict[str, float]:
-        """Scores on `data`, each rank scoring its share and the parts summed (training.metrics)."""
-        import torch
-
-        from ballast.training.scores import ScoreSums, classification_sums
-
+        """Every metric of the task on `data`, each rank scoring its share (a micro-batch at a time) and
+        the summable parts added over ranks (training.tasks.ops)."""
         model = self.raw_model  # under FSDP the sharded module itself; its forward gathers the weights
         model.eval()
-        idx = list(range(self.rank, len(data), self.dist.world))
-        x = torch.from_numpy(data.features[idx]).to(self.dist.device)
-        y = torch.from_numpy(data.labels[idx]).to(self.dist.device)
-        with torch.no_grad():
-            mine = classification_sums(model(x), y)
-        return ScoreSums.from_list(self.dist.all_sum(mine.as_list())).scores()
+        mine = task_ops.split_parts(model, self.task, data.features, data.labels, device=self.dist.device,
+                                    batch=self.cfg.batch.micro_batch_size, rank=self.rank, world=self.dist.world)
+        return self.task.scores(self.dist.all_sum(mine))
 
     def improved(self, value: float) -> bool:
         """Whether `value` is a new best validation score (the one rule: training.metrics.improved)."""
@@ -393,3 +397,4 @@ class Trainer:
         if self.rank == 0:
             write_summary(self.out, summary)
         return summary.model_dump(mode="json")
+

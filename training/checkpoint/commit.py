@@ -45,8 +45,8 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # What trainer.json must record for the model to be rebuilt from the checkpoint alone.
-_MODEL_FIELDS = ("model", "input_shape", "num_classes", "hidden_size")
-_MODEL_OPTIONAL = ("dropout",)
+MODEL_KEY = "model"
+"""trainer.json's key holding the model section {name, options, data} (run config version 2)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -126,20 +126,23 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def recorded_model(path: Path) -> dict[str, Any]:
-    """What the checkpoint records about the model it holds: model, input_shape, num_classes and
-    hidden_size (and dropout where recorded), enough to rebuild it without the spec that trained it.
+    """What the checkpoint records about the model it holds: the run config's model section
+    {name, options, data}, enough to rebuild it without the spec that trained it.
 
     The stages rebuild the model from this rather than from the spec, so a checkpoint loaded against a
     spec edited since (another width, another feature shape) fails here, naming the file, instead of in
-    load_state_dict with a tensor-shape message."""
+    load_state_dict with a tensor-shape message. A checkpoint of a Ballast before models came from entry
+    points (its trainer.json holds `model: "mlp"` and the shapes beside it) is refused, saying so."""
     state = read_trainer_state(path)
-    missing = [k for k in _MODEL_FIELDS if state.get(k) is None]
-    if missing:
-        raise CheckpointFailure(f"{Path(path) / TRAINER_STATE}: records no {', '.join(missing)}; the model cannot be"
+    section = state.get(MODEL_KEY)
+    where = Path(path) / TRAINER_STATE
+    if isinstance(section, str):
+        raise CheckpointFailure(f"{where}: written by an earlier Ballast (model {section!r} without its options and"
+                                f" data); this version cannot rebuild it: train again, or use that version")
+    if not isinstance(section, dict) or not all(k in section for k in ("name", "options", "data")):
+        raise CheckpointFailure(f"{where}: records no model section (name, options, data); the model cannot be"
                                 " rebuilt from this checkpoint (save it again with the current trainer)")
-    out = {k: state[k] for k in _MODEL_FIELDS + _MODEL_OPTIONAL if k in state}
-    out["input_shape"] = list(out["input_shape"])
-    return out
+    return {"name": section["name"], "options": section["options"], "data": section["data"]}
 
 
 class Writer:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ballast.training.checkpoint.average import average
-from ballast.training.checkpoint.commit import TRAINER_STATE, committed, read_trainer_state, recorded_model
+from ballast.training.checkpoint.commit import (MODEL_KEY, TRAINER_STATE, committed, read_trainer_state,
+                                                recorded_model)
 from ballast.training.checkpoint.fileio import load_tensors
 from ballast.training.checkpoint.saver import AsyncSaver
 from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
@@ -62,8 +63,8 @@ class CheckpointManager:
             jsons[TRAINER_STATE] = trainer_state(**{
                 **self.state.state_dict(), "world_size": self.dist.world,
                 **{key: obj.state_dict() for key, obj in self.states.items()},
-                # The model section (name, shapes, width, dropout): what the weights can be rebuilt from.
-                **self.model_section.model_dump(mode="json"),
+                # The model section (name, options, data): what the weights can be rebuilt from.
+                MODEL_KEY: self.model_section.model_dump(mode="json"),
                 "parallelism": self.parallelism, "reason": reason, "optim_parts": parts})
         keep = {self.state.best["step"]} if self.state.best else set()
         use_async = self.cfg.asynchronous if asynchronous is None else asynchronous
@@ -204,16 +205,21 @@ class CheckpointManager:
         return True
 
     def _check_model(self, path: Path) -> None:
-        """Refuse a checkpoint of another model: every field of the model section but dropout (which
+        """Refuse a checkpoint of another model: its name, its data and every option but dropout (which
         changes no weight) must be what the checkpoint recorded."""
         theirs = recorded_model(path)
-        mine = self.model_section.model_dump(mode="json", exclude={"dropout"})
-        if any(theirs.get(k) != v for k, v in mine.items()):
+        mine = self.model_section.model_dump(mode="json")
+
+        def weights_of(m: dict[str, Any]) -> dict[str, Any]:
+            return {**m, "options": {k: v for k, v in m["options"].items() if k != "dropout"}}
+
+        if weights_of(theirs) != weights_of(mine):
             def describe(m: dict[str, Any]) -> str:
-                return f"{m['model']} {m['input_shape']} -> {m['num_classes']} classes (hidden {m.get('hidden_size')})"
+                options = ", ".join(f"{k}={v}" for k, v in sorted(m["options"].items()))
+                return f"{m['name']}({options}) for {m['data'].get('task')} {m['data'].get('input_shape')}"
 
             raise CheckpointFailure(f"{path}: checkpoint is for model {describe(theirs)}, not this run's"
-                                    f" {describe(mine).replace(' classes', '')}; refusing to resume")
+                                    f" {describe(mine)}; refusing to resume")
 
     def _load_full_state(self, model_sd: dict, optim_sd: dict | None) -> None:
         from ballast.training.models import keeping_optimizer_kernel

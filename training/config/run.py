@@ -10,30 +10,61 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ballast.training.config.messages import describe, one_line
-from pydantic import Field
 
 from ballast.training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
                                       EarlyStopSettings, ExecutionSettings, LoaderSettings, MAX_SECONDS,
-                                      ModelSettings, MonitorSettings, NumClasses, NumericsSettings,
-                                      OptimSettings, RecoverySettings, RehearsalSettings, ResourceSettings,
-                                      RunSettings, Section, Shape)
+                                      ModelName, MonitorSettings, NumericsSettings, OptimSettings,
+                                      RecoverySettings, RehearsalSettings, ResourceSettings, RunSettings,
+                                      Section, _bounded_shape, resolve_early_stop)
 from ballast.training.failure import ConfigFailure
 
-RUN_CONFIG_VERSION = 1
+RUN_CONFIG_VERSION = 2
+"""2: the model section is {name, options, data} (models from entry points, tasks); data lists features."""
 
 # --- the run config's own sections: a spec's settings plus what the orchestrator decided for this try --
 
 
-class ModelConfig(ModelSettings):
-    """The architecture and the shapes it is built for; checkpoints record this section."""
+class ModelConfig(Section):
+    """The model to build and what it is built for; checkpoints record this section, and the stages
+    rebuild the model from it (`ballast.training.models.build_configured_model`)."""
 
-    input_shape: Shape = Field(min_length=1)
-    """Shape of one input sample: the feature's shape, [1] for a scalar."""
-    num_classes: NumClasses
-    """Number of classes the model predicts."""
+    name: ModelName
+    """The `ballast.models` entry point."""
+    options: dict[str, Any] = {}
+    """The factory's options (the spec's training.model.options; mlp, cnn and embed with hidden_size and
+    dropout filled in from the flat settings)."""
+    data: dict[str, Any]
+    """What the task feeds the model (the factory's `data`): `task`, `input_shape` (causal_lm: [seq_len]),
+    `input_dtype`, `inputs` ({field: {shape, dtype}} for every feature), and where they apply
+    `num_classes`, `vocab_size`, `seq_len`, `target_shape`."""
+
+    @field_validator("data")
+    @classmethod
+    def _check_data(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from ballast.training.tasks import TASKS
+
+        if v.get("task") not in TASKS:
+            raise ValueError(f"task: must be one of {', '.join(TASKS)} (got {v.get('task')!r})")
+        for key in ("input_shape", "target_shape"):
+            shape = v.get(key)
+            if shape is None and key == "target_shape":
+                continue
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 1 for d in shape):
+                raise ValueError(f"{key}: must be a list of positive integers (got {shape!r})")
+            try:
+                _bounded_shape(tuple(shape))
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+        if not isinstance(v.get("inputs"), dict) or not v["inputs"]:
+            raise ValueError("inputs: must map every feature field to its shape and dtype")
+        return v
+
+    @property
+    def task(self) -> str:
+        return self.data["task"]
 
 
 class BatchConfig(BatchSettings):
@@ -59,10 +90,10 @@ class DataConfig(LoaderSettings):
     """Cache directory holding the dataset's manifest.json and the shards it lists."""
     format: DataFormat
     """Which packed format to read."""
-    feature: str
-    """Name of the feature column."""
-    label: str
-    """Name of the label column."""
+    features: list[str] = Field(min_length=1)
+    """The feature columns the model reads (causal_lm: the packed `tokens` column)."""
+    label: str | None = None
+    """The label column; None when the targets come from the features (causal_lm)."""
     wait_seconds: float = Field(0.0, ge=0.0, le=MAX_SECONDS)
     """How long to wait for a shard that a staged cache warm-up is still bringing."""
 
@@ -101,7 +132,7 @@ class RunIdentity(Section):
 class RunConfig(RunSettings):
     """Everything one training process needs, by section."""
 
-    version: Literal[1] = RUN_CONFIG_VERSION
+    version: Literal[2] = RUN_CONFIG_VERSION
     """Format version of this file."""
     output_dir: str
     """Where the process writes its metrics, heartbeat, summary and failure record."""
@@ -124,7 +155,7 @@ class RunConfig(RunSettings):
     monitors: MonitorSettings = MonitorSettings()
     """Loss-spike detection and gradient statistics."""
     early_stop: EarlyStopSettings = EarlyStopSettings()
-    """The validation metric and early stopping."""
+    """The validation metric (resolved: never empty) and early stopping."""
     recovery: RecoverySettings = RecoverySettings()
     """What the process does on a preemption notice."""
     execution: ExecutionSettings = ExecutionSettings()
@@ -133,6 +164,29 @@ class RunConfig(RunSettings):
     """Injected faults and step/time budgets."""
     identity: RunIdentity = RunIdentity()
     """The pipeline, run and try (metric labels)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_metric(cls, data: Any) -> Any:
+        """early_stop.metric and .mode default to the task's metric and its direction."""
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            model = data["model"]
+            task = (model.get("data") or {}).get("task") if isinstance(model.get("data"), dict) else None
+            raw = data.get("early_stop")
+            if isinstance(raw, EarlyStopSettings):
+                raw = raw.model_dump()
+            data = {**data, "early_stop": resolve_early_stop(raw, task)}
+        return data
+
+    @model_validator(mode="after")
+    def _metric_of_the_task(self) -> RunConfig:
+        from ballast.training.tasks import metric_of
+
+        try:
+            metric_of(self.model.task, self.early_stop.metric)
+        except ValueError as exc:
+            raise ValueError(f"early_stop.metric: {exc}") from None
+        return self
 
     @classmethod
     def parse(cls, data: Any, *, source: str = "run config") -> RunConfig:

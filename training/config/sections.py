@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ballast.training.config import docstrings
-from ballast.training.models import MODEL_NAMES, OPTIMIZER_NAMES
+from ballast.training.models import OPTIMIZER_NAMES, registry
+from ballast.training.tasks import ALL_METRICS, DEFAULT_TASK, DIRECTION, TASKS
 
 PositiveInt = Annotated[int, Field(ge=1, le=2**40)]
 NumClasses = Annotated[int, Field(ge=2, le=100_000)]
@@ -85,21 +86,67 @@ def _registered(kind: str, names: tuple[str, ...], value: object) -> object:
     return value
 
 
-class ModelSettings(Section):
-    model: Literal[MODEL_NAMES]  # type: ignore[valid-type]
-    """Architecture from the closed registry (training/models.py): mlp, cnn, or embed (pixel values
-    0-255 as tokens, for uint8 images; its embeddings stay in fp32 under mixed precision)."""
-    hidden_size: int = Field(128, ge=1, le=65536)
-    """Width of the hidden layers."""
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    """Dropout probability."""
+ModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+"""An entry point's name in the `ballast.models` group."""
 
-    @field_validator("model", mode="before")
+
+class ModelChoice(Section):
+    """A model from the `ballast.models` entry points and its options. A plain name (`model: mlp`) is
+    `{name: mlp}`."""
+
+    name: ModelName
+    """The entry point's name: a built-in (mlp, cnn, embed, gpt, unet; hf_causal_lm with the `hf` extra) or
+    one an installed package registers (`[project.entry-points."ballast.models"]`)."""
+    options: dict[str, Any] = {}
+    """Handed to the model's factory as they are; checked against its options_schema, where it has one,
+    by `ballast lint` and by every run before any data is read."""
+
+    @model_validator(mode="before")
     @classmethod
-    def _known_model(cls, v: object) -> object:
-        return _registered("model", MODEL_NAMES, v)
+    def _plain_name(cls, v: object) -> object:
+        return {"name": v} if isinstance(v, str) else v
+
+    @field_validator("name")
+    @classmethod
+    def _registered_name(cls, v: str) -> str:
+        if v not in registry.names():  # entry-point metadata only: no model module is imported
+            raise ValueError(registry.unknown(v))
+        return v
 
 
+CLASSIC_MODELS = ("mlp", "cnn", "embed")
+"""The built-ins whose options default to the flat `training.hidden_size` and `training.dropout`."""
+
+
+class ModelSettings(Section):
+    task: Literal[TASKS] = DEFAULT_TASK  # type: ignore[valid-type]
+    """What is learned, which decides the loss, the metrics and the fields the dataset needs:
+    classification (a class per row), causal_lm (next token of text), segmentation (a class per pixel or
+    voxel), regression (float values)."""
+    model: ModelChoice
+    """The model: `{name: gpt, options: {layers: 4}}`, or a plain name (`mlp`)."""
+    hidden_size: int = Field(128, ge=1, le=65536)
+    """Width of the hidden layers of mlp, cnn and embed (their options' default)."""
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    """Dropout probability of mlp, cnn and embed (their options' default)."""
+    seq_len: int | None = Field(None, ge=1, le=1_048_576)
+    """causal_lm: tokens per training sequence (each stored sequence holds seq_len + 1 tokens)."""
+
+    @model_validator(mode="after")
+    def _check_seq_len(self) -> ModelSettings:
+        if self.task == "causal_lm" and self.seq_len is None:
+            raise ValueError("seq_len: task causal_lm needs seq_len (tokens per training sequence)")
+        if self.task != "causal_lm" and self.seq_len is not None:
+            raise ValueError(f"seq_len: only task causal_lm reads seq_len (the task is {self.task}); remove it")
+        return self
+
+    @property
+    def model_options(self) -> dict[str, Any]:
+        """The options the factory gets: for mlp, cnn and embed, hidden_size and dropout default to the
+        flat settings."""
+        if self.model.name in CLASSIC_MODELS:
+            return {"hidden_size": self.hidden_size, "dropout": self.dropout, **self.model.options}
+        return dict(self.model.options)
 
 
 # --- batch -------------------------------------------------------------------------------------------
@@ -248,11 +295,17 @@ class MonitorSettings(Section):
     checkpoint still happen); 0: never roll back."""
 
 
+Metric = Literal[ALL_METRICS]  # type: ignore[valid-type]
+
+
 class EarlyStopSettings(Section):
-    metric: Literal["accuracy", "loss"] = "accuracy"
-    """Metric on the validation split for early stopping, and on the test split for publishing."""
-    mode: Literal["max", "min"] = "max"
-    """Whether a larger or a smaller metric is better."""
+    metric: Metric | None = None
+    """Metric on the validation split for early stopping and the LR plateau, and on the test split for
+    publishing: one of the task's (classification: accuracy, loss; causal_lm: loss, perplexity,
+    bits_per_byte; segmentation: mean_iou, dice, loss; regression: rmse, mae, loss). Default: the task's
+    first."""
+    mode: Literal["max", "min"] | None = None
+    """Whether a larger or a smaller metric is better; the metric knows (a contradicting mode is refused)."""
     patience: int = Field(3, ge=1, le=1000)
     """Epochs without improvement before training stops (seed documents: 3)."""
     min_delta: float = Field(0.0, ge=0.0)
@@ -260,10 +313,30 @@ class EarlyStopSettings(Section):
 
     @model_validator(mode="after")
     def _check_mode(self) -> EarlyStopSettings:
-        natural = {"accuracy": "max", "loss": "min"}[self.metric]
-        if self.mode != natural:
-            raise ValueError(f"mode: metric {self.metric!r} improves when it goes {natural}; set mode: {natural}")
+        if self.metric is not None and self.mode is not None:
+            natural = DIRECTION[self.metric]
+            if self.mode != natural:
+                raise ValueError(f"mode: metric {self.metric!r} improves when it goes {natural}; set mode: {natural}"
+                                 f" or leave mode out")
         return self
+
+
+def resolve_early_stop(raw: Any, task: Any) -> Any:
+    """A raw (not yet validated) early-stopping mapping with `metric` and `mode` filled in for `task`:
+    the task's default metric, the metric's direction. Anything malformed is left for validation to
+    name."""
+    from ballast.training.tasks import METRICS, default_metric
+
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict) or task not in METRICS:
+        return raw
+    out = dict(raw)
+    if out.get("metric") is None:
+        out["metric"] = default_metric(task)
+    if out.get("mode") is None and out["metric"] in DIRECTION:
+        out["mode"] = DIRECTION[out["metric"]]
+    return out
 
 
 # --- what the training process needs of recovery and execution ---------------------------------------

@@ -54,3 +54,21 @@ def metric_of(task: str, metric: str | None) -> str:
     if metric not in METRICS[task]:
         raise ValueError(f"{metric!r} is not a metric of task {task} ({', '.join(METRICS[task])})")
     return metric
+
+
+def check_columns(manifest: dict, data: dict, features: list[str], *, where: str) -> None:
+    """The packed dataset (its manifest) holds the feature columns a model was built for, of their shapes
+    (`data`: the model's data dict); a DataFailure naming the column otherwise. causal_lm's sequences
+    hold seq_len + 1 tokens."""
+    from ballast.training.failure import DataFailure
+
+    columns = {c["name"]: list(c["shape"]) for c in manifest.get("columns", []) if c.get("role", "feature") == "feature"}
+    inputs = data["inputs"]
+    for name in features:
+        want = [int(data["seq_len"]) + 1] if data["task"] == "causal_lm" else inputs.get(name, {}).get("shape")
+        if name not in columns:
+            raise DataFailure(f"{where}: the dataset has no feature column {name!r} (it has"
+                              f" {', '.join(columns) or 'none'}); convert it again for this spec")
+        if want is not None and columns[name] != list(want):
+            raise DataFailure(f"{where}: feature {name!r} has shape {columns[name]}, the model expects"
+                              f" {list(want)}; convert the dataset again for this spec")

@@ -126,7 +126,8 @@ class TaskOps:
         if self.task == "classification":
             if not len(target):
                 return [0.0, 0.0, 0.0]
-            return [n, float(F.cross_entropy(out, target, reduction="sum")), float((out.argmax(1) == target).sum())]
+            loss = F.cross_entropy(out, target, reduction="none").double().sum()
+            return [n, float(loss), float((out.argmax(1) == target).sum())]
         if self.task == "causal_lm":
             losses = F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1), reduction="none")
             nbytes = 0.0
@@ -142,7 +143,7 @@ class TaskOps:
             inter = torch.bincount(truth[pred == truth], minlength=c)[:c].double()
             predicted = torch.bincount(pred, minlength=c)[:c].double()
             actual = torch.bincount(truth, minlength=c)[:c].double()
-            loss = float(F.cross_entropy(out, target, reduction="sum")) if len(target) else 0.0
+            loss = float(F.cross_entropy(out, target, reduction="none").double().sum()) if len(target) else 0.0
             return [n, float(truth.numel()), loss, *inter.tolist(), *predicted.tolist(), *actual.tolist()]
         fitted = self._fit(out, target)
         err = (fitted.double() - target.double())

@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field
 
 from ballast.records.attempts import AttemptHistory, RecoverySummary
 from ballast.records.base import Record
+from ballast.records.evaluation import EvaluateResult, HeldOutScores
 
 
 # --- validate ----------------------------------------------------------------------------------------
@@ -181,49 +182,6 @@ class VerifyResult(Record):
     the newest one before them that passes)."""
 
 
-# --- evaluate ----------------------------------------------------------------------------------------
-
-
-class HeldOutScores(Record):
-    """The model's scores on the held-out test split."""
-
-    metric: str
-    """The spec's `evaluation.metric`."""
-    value: float
-    """Its value."""
-    accuracy: float
-    """Share of test rows classified right."""
-    loss: float
-    """Mean cross-entropy over the test rows."""
-    test_rows: int
-    """Rows in the test split."""
-
-
-class EvaluateResult(HeldOutScores):
-    """Stage `evaluate`: the best checkpoint scored on rows training never saw, and the publish gate."""
-
-    version: int = 1
-    """Record format version."""
-    per_class_accuracy: dict[int, float]
-    """Accuracy per label present in the test split."""
-    checkpoint: str
-    """The checkpoint evaluated."""
-    validation_history: list[dict[str, int | float]]
-    """The validation record of every epoch, as the trainer saved it in that checkpoint."""
-    threshold: float | None
-    """The spec's `evaluation.threshold` (None: no gate)."""
-    passed: bool | None = None
-    """Whether `value` reached the threshold (None without one)."""
-    baseline: HeldOutScores | None = None
-    """The last published model's scores on the same test split (evaluation.publish: if_better)."""
-    baseline_version: str | None = None
-    """Its version."""
-
-    def scores(self) -> HeldOutScores:
-        """The test scores alone (what the model card and the report quote)."""
-        return HeldOutScores(**{k: getattr(self, k) for k in HeldOutScores.model_fields})
-
-
 # --- publish -----------------------------------------------------------------------------------------
 
 
@@ -313,8 +271,8 @@ class StageRecords(Record):
 class RunReport(Record):
     """The run's report (`runs/<dag>/<run>/report.json`), written by publish."""
 
-    version: int = 1
-    """Record format version."""
+    version: int = 2
+    """Record format version (2: `test` holds every metric of the task, by name)."""
     pipeline: str
     """The spec's name."""
     dag_id: str

@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from ballast.errors import SpecError
-from ballast.spec.messages import validation_error
+from ballast.spec.messages import nearest_line, validation_error
 from ballast.spec.root import Spec
 
 # libyaml's safe loader is ~10x faster than the pure-Python one; same safety (no arbitrary objects).
@@ -127,3 +127,42 @@ def json_schema() -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "Ballast training pipeline spec"
     return schema
+
+
+def check_model_options(spec: Spec, *, source: str = "<spec>", text: str | None = None) -> None:
+    """The spec's `training.model.options` against its model's options_schema: a SpecError with one line
+    per problem naming `training.model.options.<path>` (and the YAML line where there is text). Loads the
+    model's factory, so its package's module is imported: `ballast lint` and the validate stage run it,
+    never DAG parsing."""
+    from ballast.training.failure import ConfigFailure
+    from ballast.training.models import registry
+
+    model = spec.training.model
+    try:
+        factory = registry.load_factory(model.name)
+    except ConfigFailure as exc:
+        raise SpecError(f"{source}: {exc}") from exc
+    errors = registry.schema_errors(factory, spec.training.model_options)
+    if not errors:
+        return
+    node = None
+    if text:
+        try:
+            node = yaml.compose(text, Loader=_SafeLoader)
+        except yaml.YAMLError:
+            node = None
+    lines = []
+    for loc, msg in errors:
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+        line = nearest_line(node, ("training", "model", "options", *loc))
+        lines.append(f"{source}:{line}: training.model.options{field}: {msg}" if line else
+                     f"{source}: training.model.options{field}: {msg}")
+    raise SpecError(lines)
+
+
+def lint_spec(path: str | Path) -> Spec:
+    """`load_spec`, then what parsing leaves out because it imports a model's package: its options."""
+    spec = load_spec(path)
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    check_model_options(spec, source=str(path), text=text)
+    return spec

@@ -181,7 +181,7 @@ def rehearsal_faults(ctx: RunContext, planned_steps: int) -> tuple:
     return faults
 
 
-def _warm_start(ctx: RunContext, ckpt_dir: Path) -> str | None:
+def _warm_start(ctx: RunContext, ckpt_dir: Path, manifest: dict | None = None) -> str | None:
     """With evaluation.warm_start, the last published model's weights (when there is no checkpoint to
     resume: a resume always wins); its model must be the one this spec trains."""
     from ballast.training import checkpoint as ckpt
@@ -195,11 +195,11 @@ def _warm_start(ctx: RunContext, ckpt_dir: Path) -> str | None:
     if published is None:
         ctx.log.info("evaluation.warm_start: %s has published no model yet; starting from scratch", ctx.spec.name)
         return None
-    fields = ("model", "input_shape", "num_classes", "hidden_size")
-    ours = run_config_model(ctx)
-    theirs = ModelConfig.model_validate(published.model_section).model_dump(include=set(fields))
-    if ours != theirs:
-        diff = ", ".join(f"{k} {theirs.get(k)!r} vs {ours.get(k)!r}" for k in fields if theirs.get(k) != ours.get(k))
+    ours = run_config_model(ctx, manifest)
+    theirs = ModelConfig.model_validate(published.model_section).model_dump(mode="json")
+    fields = ("name", "options", "data")
+    if any(ours[k] != theirs[k] for k in fields):
+        diff = ", ".join(f"{k} {theirs[k]!r} vs {ours[k]!r}" for k in fields if theirs[k] != ours[k])
         raise ConfigError(f"{ctx.spec_file or ctx.spec.name}: evaluation.warm_start: the published model"
                           f" {published.version} is another model than this spec trains ({diff}); set"
                           f" warm_start: false for this change, or train the published architecture")
@@ -208,10 +208,18 @@ def _warm_start(ctx: RunContext, ckpt_dir: Path) -> str | None:
     return str(path)
 
 
-def run_config_model(ctx: RunContext) -> dict:
-    """The spec's model section as the trainer would build it (model, input_shape, num_classes, hidden_size)."""
-    cfg = run_config(ctx.spec, data_dir=".", data_format=ctx.spec.train_format, checkpoint_dir=".", output_dir=".")
-    return cfg.model.model_dump(include={"model", "input_shape", "num_classes", "hidden_size"})
+def run_config_model(ctx: RunContext, manifest: dict | None = None) -> dict:
+    """The spec's model section as the trainer would build it ({name, options, data})."""
+    cfg = run_config(ctx.spec, data_dir=".", data_format=ctx.spec.train_format, checkpoint_dir=".", output_dir=".",
+                     manifest=manifest)
+    return cfg.model.model_dump(mode="json")
+
+
+def dataset_manifest(cache_dir: str) -> dict:
+    """The packed dataset's manifest (what conversion found: a language model's tokenizer)."""
+    from ballast.training.dataset.format import read_manifest
+
+    return read_manifest(Path(cache_dir))
 
 
 def _archive_failure_record(out_dir: Path) -> None:
@@ -227,12 +235,13 @@ def _archive_failure_record(out_dir: Path) -> None:
 
 def _run_config(ctx: RunContext, cache, out_dir: Path, ckpt_dir: Path, micro: int):
     spec = ctx.spec
+    manifest = dataset_manifest(cache.cache_dir)
     return run_config(spec, data_dir=cache.cache_dir, data_format=cache.format, checkpoint_dir=str(ckpt_dir),
                       output_dir=str(out_dir), micro_batch_size=micro,
                       data_wait_seconds=spec.cache.wait_seconds if cache.pending_phases else 0.0,
                       faults=rehearsal_faults(ctx, steps_planned(ctx)),
                       epochs=ctx.round * spec.training.epochs_per_round if ctx.round else None,
-                      init_weights=_warm_start(ctx, ckpt_dir), identity=_identity(ctx))
+                      init_weights=_warm_start(ctx, ckpt_dir, manifest), identity=_identity(ctx), manifest=manifest)
 
 
 def _identity(ctx: RunContext):

@@ -24,29 +24,43 @@ def load_model(path: Path) -> tuple[Any, dict[str, Any]]:
     """The checkpoint's model with its weights loaded, and the weights: built from the model section
     its trainer.json records (training.checkpoint.recorded_model), not from the spec, which may have
     been edited since. A CheckpointFailure (missing or damaged file) goes up as it is: the runner
-    translates it (class data, no retry)."""
+    translates it (class data, no retry); a model whose package fails to build it is a ConfigFailure
+    naming the package (class config)."""
+    from ballast.training import checkpoint as ckpt
+
+    section = recorded_section(path)
+    weights = ckpt.load_tensors(path / "model.pt")
+    model = build_recorded(section)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path / 'model.pt'}: weights do not fit the model {section.name!r} for"
+                              f" {section.task} {section.data.get('input_shape')} recorded in"
+                              f" {ckpt.TRAINER_STATE}: {str(exc).splitlines()[0]}") from exc
+    return model, weights
+
+
+def recorded_section(path: Path) -> Any:
+    """The checkpoint's recorded model section, typed (`ModelConfig`); CheckpointError when it is not one."""
     from pydantic import ValidationError
 
     from ballast.training import checkpoint as ckpt
     from ballast.training.config.run import ModelConfig
-    from ballast.training.models import build_configured_model
 
     recorded = ckpt.recorded_model(path)
     try:
-        section = ModelConfig.model_validate(recorded)
+        return ModelConfig.model_validate(recorded)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise CheckpointError(f"{path / ckpt.TRAINER_STATE}: recorded model section is not buildable:"
                               f" {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
-    weights = ckpt.load_tensors(path / "model.pt")
-    model = build_configured_model(section)
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{path / 'model.pt'}: weights do not fit the model {section.model!r}"
-                              f" {list(section.input_shape)} -> {section.num_classes} recorded in"
-                              f" {ckpt.TRAINER_STATE}: {str(exc).splitlines()[0]}") from exc
-    return model, weights
+
+
+def build_recorded(section: Any) -> Any:
+    """The model a recorded section describes, untrained."""
+    from ballast.training.models import build_configured_model
+
+    return build_configured_model(section)
 
 
 PROBE_ROWS = 64
@@ -55,11 +69,13 @@ PROBE_ROWS = 64
 def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
     """A forward pass of a checkpoint's model on the first held-out batch (the validation split's first
     cached block, or the first cached training block while the validation set is not in the cache: a
-    cluster try's nodes warm the later phases in their own caches, the worker holds the first): its loss."""
+    cluster try's nodes warm the later phases in their own caches, the worker holds the first): its
+    task's loss."""
     import torch
 
     from ballast.training.dataset.format import blocks_of, read_manifest
-    from ballast.training.dataset.reader import Decoder, read_block
+    from ballast.training.dataset.reader import BlockDecoder, read_block
+    from ballast.training.tasks import ops as task_ops
 
     data_dir = Path(cache_dir)
     manifest = read_manifest(data_dir)
@@ -67,14 +83,17 @@ def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
               for b in [c for c in blocks_of(manifest, split, fmt) if (data_dir / c.path).is_file()][:1]]
     if not blocks:
         raise CheckpointError(f"{data_dir}: no cached validation or training block to probe checkpoints with")
-    x, y = read_block(data_dir, blocks[0], fmt, Decoder(manifest["feature"], fmt), manifest["label"]["name"])
-    x, y = torch.from_numpy(x[:PROBE_ROWS].copy()), torch.from_numpy(y[:PROBE_ROWS].copy())
+    x, y = read_block(data_dir, blocks[0], fmt, BlockDecoder(manifest, fmt))
+    x, y = task_ops.as_tensors(task_ops.take(x, 0, PROBE_ROWS)), task_ops.as_tensors(task_ops.take(y, 0, PROBE_ROWS))
 
     def probe(path: Path, weights: dict) -> float:
         model, _ = load_model(path)
         model.eval()
+        section = recorded_section(path)
+        task = task_ops.TaskOps(section.task, num_classes=section.data.get("num_classes"))
+        inputs, target = task.prepare(x, y)
         with torch.no_grad():
-            return float(torch.nn.functional.cross_entropy(model(x).float(), y))
+            return float(task.loss(model(inputs), target))
 
     return probe
 
