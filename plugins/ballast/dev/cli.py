@@ -12,7 +12,7 @@ from ballast.errors import BallastError, SpecError
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
-    from ballast.spec import load_spec
+    from ballast.spec.loading import lint_spec
 
     failed = 0
     paths: list[Path] = []
@@ -21,7 +21,7 @@ def cmd_lint(args: argparse.Namespace) -> int:
         paths += sorted(p.glob("*.y*ml")) if p.is_dir() else [p]
     for path in paths:
         try:
-            spec = load_spec(path)
+            spec = lint_spec(path)  # the spec, and its model's options against the model's options_schema
         except SpecError as exc:
             failed += 1
             for line in exc.problems:
