@@ -72,8 +72,6 @@ def write_checkpoint(root: Path, spec, step: int, *, hidden: int | None = None) 
 
 @pytest.mark.integration
 def test_a_damaged_best_checkpoint_at_evaluate_fails_the_task_without_retry(tmp_path, cached):
-    from airflow.sdk.exceptions import AirflowFailException
-
     ctx = run_ctx(cached, RUN_ID)
     best = write_checkpoint(tmp_path / "ckpt", ctx.spec, 10)
     checked = CheckedCheckpoint(path=str(best), step=10, files=3, parameters=1)
@@ -81,9 +79,10 @@ def test_a_damaged_best_checkpoint_at_evaluate_fails_the_task_without_retry(tmp_
     model_file = best / "model.pt"
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])  # damaged after verification
 
-    with pytest.raises(AirflowFailException, match=rf"^evaluate: {model_file}: ") as failed:
+    with pytest.raises(errors.BallastError, match=rf"^{model_file}: ") as failed:
         run_stage("evaluate", spec_data=cached[0], spec_file="digits.yaml", context=airflow_context())
     assert "\n" not in str(failed.value)
+    assert _retried(failed.value) is False  # the retry policy fails the task at once
 
 
 @pytest.mark.integration
@@ -112,8 +111,6 @@ def test_verify_and_evaluate_rebuild_the_model_the_checkpoint_records(tmp_path, 
 def test_a_checkpoint_without_its_model_section_fails_verification_without_retry(tmp_path, cached):
     import json
 
-    from airflow.sdk.exceptions import AirflowFailException
-
     ctx = run_ctx(cached, "unrecorded")
     best = write_checkpoint(tmp_path / "ckpt", ctx.spec, 10)
     ctx.save_result("train", TrainResult(summary="s", checkpoint_dir=str(best.parent), best_checkpoint=None,
@@ -129,9 +126,10 @@ def test_a_checkpoint_without_its_model_section_fails_verification_without_retry
     (w.tmp / "model.pt").write_bytes((best / "model.pt").read_bytes())
     w.write_json("trainer.json", state)
     w.commit()
-    with pytest.raises(AirflowFailException, match=rf"^verify_checkpoint: {best / 'trainer.json'}: records no model section"):
+    with pytest.raises(errors.BallastError, match=rf"^{best / 'trainer.json'}: records no model") as failed:
         run_stage("verify_checkpoint", spec_data=cached[0], spec_file="digits.yaml",
                   context=airflow_context("unrecorded"))
+    assert _retried(failed.value) is False  # the retry policy fails the task at once
 
 
 @pytest.mark.unit

@@ -171,7 +171,7 @@ def test_convert_and_warm_up_record_their_progress_while_they_work(tmp_path, dig
     the stability view: 0 done as the work starts, then each report, the last one finished."""
     from ballast.records import StageProgress
 
-    ctx = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(stages=[{"name": "first", "fraction": 0.5},
+    ctx = make_ctx(tmp_path, digits_raw, lambda d: d["cache"].update(phases=[{"name": "first", "fraction": 0.5},
                                                                            {"name": "rest", "fraction": 1.0}]))
     written: dict[str, list[StageProgress]] = {"convert": [], "warm_cache": []}
     write = type(ctx.storage).write_bytes
