@@ -88,7 +88,7 @@ def _events(run_dir: Path) -> list[dict]:
 def bench_overhead(*, repeat: int = 5, epochs: int = 6) -> dict:
     def edit(d):
         d["training"].update(model="mlp", hidden_size=1024, micro_batch_size=128, global_batch_size=256,
-                             processes_per_node=2, epochs=epochs, checkpoint={"every_seconds": 1e9})
+                             processes_per_node=2, epochs=epochs, checkpoint={"every_seconds": 31_536_000})
 
     with tempfile.TemporaryDirectory(prefix="ballast-bench-overhead-") as tmp:
         root = Path(tmp)
@@ -124,7 +124,7 @@ def bench_checkpoint(*, hidden: int = 9000, interval_run_seconds: float = 100.0,
     # saves into the runs without checkpoints.
     def edit(d):
         d["training"].update(model="mlp", hidden_size=hidden, micro_batch_size=16, global_batch_size=32,
-                             processes_per_node=2, epochs=1000, checkpoint={"every_seconds": 1e9},
+                             processes_per_node=2, epochs=1000, checkpoint={"every_seconds": 31_536_000},
                              monitors={"spike_zscore": 1e9})
 
     with tempfile.TemporaryDirectory(prefix="ballast-bench-checkpoint-") as tmp:
@@ -146,7 +146,7 @@ def bench_checkpoint(*, hidden: int = 9000, interval_run_seconds: float = 100.0,
         # back to back with alternating order (the machine is shared and noisy): the median pair ratio.
         rates: dict[str, list[dict]] = {"none": [], "every_30s": []}
         for i in range(pairs):
-            order = (("none", 1e9), ("every_30s", 30.0))
+            order = (("none", 31_536_000.0), ("every_30s", 30.0))
             for label, every in (order if i % 2 == 0 else order[::-1]):
                 run = root / f"rate-{label}-{i}"
                 cfg = _config(spec, cache, run, {"checkpoint.asynchronous": True, "checkpoint.every_seconds": every,
