@@ -102,6 +102,13 @@ def check_options(name: str, options: dict[str, Any]) -> list[str]:
 
 
 def schema_problems(factory: Any, options: dict[str, Any]) -> list[str]:
+    return [f"{'.'.join(['training.model.options', *map(str, loc)]) if loc else 'training.model.options'}: {msg}"
+            .replace(".[", "[") for loc, msg in schema_errors(factory, options)]
+
+
+def schema_errors(factory: Any, options: dict[str, Any]) -> list[tuple[tuple, str]]:
+    """(location below training.model.options, message) for each problem of `options` against the
+    factory's options_schema; none without one."""
     schema = getattr(factory, "options_schema", None)
     if schema is None:
         return []
@@ -111,23 +118,18 @@ def schema_problems(factory: Any, options: dict[str, Any]) -> list[str]:
         validator_cls = jsonschema.validators.validator_for(schema)
         validator_cls.check_schema(schema)
     except jsonschema.SchemaError as exc:
-        return [f"training.model.options: the model's own options_schema is not a valid JSON Schema"
-                f" ({_first_line(exc)})"]
-    validator = validator_cls(schema)
-    out = []
-    for err in sorted(validator.iter_errors(options), key=lambda e: [str(p) for p in e.absolute_path]):
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
-        message = err.message
+        return [((), f"the model's own options_schema is not a valid JSON Schema ({_first_line(exc)})")]
+    out: list[tuple[tuple, str]] = []
+    for err in sorted(validator_cls(schema).iter_errors(options), key=lambda e: [str(p) for p in e.absolute_path]):
+        loc = tuple(err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
             allowed = sorted(err.schema.get("properties") or {})
             for key in [k for k in err.instance if k not in allowed]:
-                out.append(f"training.model.options{path}.{key}: unknown option"
-                           + (f"; allowed: {', '.join(allowed)}" if allowed else ""))
+                out.append(((*loc, key), "unknown option" + (f"; allowed: {', '.join(allowed)}" if allowed else "")))
             continue
-        if len(message) > 300:
-            message = message[:297] + "..."
-        out.append(f"training.model.options{path}: {message}")
-    return out
+        message = err.message if len(err.message) <= 300 else err.message[:297] + "..."
+        out.append((loc, message))
+    return sorted(out, key=lambda problem: [str(p) for p in problem[0]])
 
 
 def _first_line(exc: BaseException) -> str:
