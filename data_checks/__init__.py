@@ -4,7 +4,10 @@ Rules (from a spec's `validation.rules` or a suite file under data_checks/suites
 mappings: `{kind, column, min, max, values, mostly}`. `balance` checks each value's share of the
 rows (`<col>__share`), e.g. that no class of the label is rarer than `min`. Array columns (images, embeddings) are checked
 through derived columns computed once with numpy: `<col>__len`, `<col>__min`, `<col>__max` and
-`<col>__finite`, so GX never iterates Python objects row by row.
+`<col>__finite`, so GX never iterates Python objects row by row. Text columns (a language model's
+documents) likewise: `<col>__len` (characters; null for a null value) and `<col>__dup` (the row repeats
+an earlier row's text), which `text_length` (row-level) and `duplicate_share` (table-level: the mean of
+`__dup`) check; the documents themselves never reach GX.
 """
 
 from __future__ import annotations
@@ -46,14 +49,19 @@ class Report:
         return "; ".join([head, *(f.line() for f in self.failures)])
 
 
-def expectations_for(rules: Iterable[dict], *, array_columns: dict[str, int]) -> list[Any]:
-    """Translate rules into GX expectation objects. `array_columns` maps an array column to its length."""
+def expectations_for(rules: Iterable[dict], *, array_columns: dict[str, int],
+                     text_columns: Iterable[str] = ()) -> list[Any]:
+    """Translate rules into GX expectation objects. `array_columns` maps an array column to its length;
+    `text_columns` are checked through their derived columns."""
     import great_expectations.expectations as gxe
 
+    texts = set(text_columns)
     out: list[Any] = []
     for r in rules:
         kind, col, mostly = r["kind"], r.get("column"), r.get("mostly", 1.0)
-        is_array = col in array_columns
+        is_array = col in array_columns or col in texts
+        if kind in ("text_length", "duplicate_share") and col not in texts:
+            raise ValueError(f"rule {kind!r} needs the text column (dataset.text); {col!r} is not it")
         if kind == "row_count":
             out.append(gxe.ExpectTableRowCountToBeBetween(min_value=r.get("min"), max_value=r.get("max")))
         elif kind == "not_null":
@@ -84,6 +92,11 @@ def expectations_for(rules: Iterable[dict], *, array_columns: dict[str, int]) ->
                 out.append(gxe.ExpectColumnMinToBeBetween(column=f"{col}__share", min_value=r["min"]))
             if r.get("max") is not None:
                 out.append(gxe.ExpectColumnMaxToBeBetween(column=f"{col}__share", max_value=r["max"]))
+        elif kind == "text_length":
+            out.append(gxe.ExpectColumnValuesToBeBetween(column=f"{col}__len", min_value=r.get("min"),
+                                                         max_value=r.get("max"), mostly=mostly))
+        elif kind == "duplicate_share":
+            out.append(gxe.ExpectColumnMeanToBeBetween(column=f"{col}__dup", min_value=0, max_value=r["max"]))
         elif kind == "exists":
             out.append(gxe.ExpectColumnToExist(column=f"{col}__len" if is_array else col))
         else:
@@ -92,7 +105,7 @@ def expectations_for(rules: Iterable[dict], *, array_columns: dict[str, int]) ->
 
 
 def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: str = "ballast",
-        row_indices: bool = False) -> Report:
+        row_indices: bool = False, text_columns: Iterable[str] = ()) -> Report:
     """Validate a pandas DataFrame (with derived array columns) against rules; never raises on bad data.
 
     Runs a GX Checkpoint whose UpdateDataDocsAction renders the Data Docs site (Report.docs_dir).
@@ -115,7 +128,7 @@ def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: s
     asset = source.add_dataframe_asset(name=f"{name}_frame")
     batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_batch")
     suite = context.suites.add(gx.ExpectationSuite(name=f"{name}_suite"))
-    for exp in expectations_for(rules, array_columns=array_columns):
+    for exp in expectations_for(rules, array_columns=array_columns, text_columns=text_columns):
         suite.add_expectation(exp)
     definition = context.validation_definitions.add(
         gx.ValidationDefinition(data=batch_def, suite=suite, name=f"{name}_validation"))

@@ -46,22 +46,42 @@ def _values(dtype: str, shape: tuple[int, ...], n: int, seed: int = 0) -> np.nda
     return rng.integers(max(info.min, -2**40), min(info.max, 2**40), size=(n, *shape), dtype=dtype, endpoint=True)
 
 
-def write_dataset(root: Path, dtype: str, shape: tuple[int, ...], codec: str,
-                  n: int = 30) -> tuple[np.ndarray, np.ndarray]:
-    """Two TFRecord shards of the train split and their manifest; returns (features, labels) as written."""
-    field = FieldSpec(name="image", type=dtype, shape=shape, codec=codec)
-    enc = FeatureEncoder(field)
-    x = _values(dtype, shape, n)
-    y = np.arange(n, dtype=np.int64) % 10
+# Columns of every other kind, in one dataset: two features, a scalar of each stored kind, and labels.
+MIXED = [
+    ("image", "float32", (4, 4), "auto", "feature"),
+    ("ids", "int64", (7,), "auto", "feature"),
+    ("weight", "float32", (), "auto", "feature"),
+    ("flag", "bool", (), "auto", "feature"),
+    ("count", "uint8", (), "auto", "feature"),
+    ("target", "float64", (), "auto", "label"),
+]
+
+
+def write_columns(root: Path, columns: list[tuple], n: int = 30, given: dict | None = None) -> dict[str, np.ndarray]:
+    """Two TFRecord shards of the train split with these (name, dtype, shape, codec, role) columns (values
+    random, or `given`), and their manifest; returns each column's values as written."""
+    encoders, values = [], {}
+    for i, (name, dtype, shape, codec, role) in enumerate(columns):
+        encoders.append(FeatureEncoder(FieldSpec(name=name, type=dtype, shape=shape, codec=codec), role))
+        values[name] = (given or {}).get(name, _values(dtype, shape, n, i))
+    layouts = [e.layout for e in encoders]
     entries = []
     for shard, rows in enumerate((slice(0, n // 2), slice(n // 2, n))):
-        entries += write_shard(root, "train", shard, enc.encode(x[rows]), y[rows], formats=("tfrecord",),
-                               layout=enc.layout, label_name="label", row_group_rows=8)
-    manifest = {"format_version": FORMAT_VERSION, "feature": enc.layout.to_manifest(),
-                "label": {"name": "label", "num_classes": 10}, "files": entries}
+        cols = {e.layout.name: e.encode(values[e.layout.name][rows]) for e in encoders}
+        entries += write_shard(root, "train", shard, cols, formats=("tfrecord",), layouts=layouts, row_group_rows=8)
+    manifest = {"format_version": FORMAT_VERSION, "columns": [c.to_manifest() for c in layouts], "num_classes": 10,
+                "files": entries}
     (root / "manifest.json").write_text(json.dumps(manifest))
-    return x, y
+    return values
 
+
+def write_dataset(root: Path, dtype: str, shape: tuple[int, ...], codec: str,
+                  n: int = 30) -> tuple[np.ndarray, np.ndarray]:
+    """A feature `image` of this kind and an int64 class `label`; returns (features, labels) as written."""
+    y = np.arange(n, dtype=np.int64) % 10
+    values = write_columns(root, [("image", dtype, shape, codec, "feature"), ("label", "int64", (), "auto", "label")],
+                           n, {"label": y})
+    return values["image"], y
 
 
 class TensorFlowByTheTfrecordPackage:
@@ -69,7 +89,7 @@ class TensorFlowByTheTfrecordPackage:
     parsing with the recipe's own feature description) and numpy/OpenCV (decode_raw, decode_image), so
     that the recipe itself runs here, where TensorFlow is not installed. Records what it was asked."""
 
-    string, int64 = "string", "int64"
+    string, int64, float32 = "string", "int64", "float32"
 
     def __init__(self):
         self.descriptions: list[dict] = []
@@ -86,9 +106,10 @@ class TensorFlowByTheTfrecordPackage:
                 from tfrecord.reader import extract_feature_dict
 
                 tf.descriptions.append(description)
-                types = {k: {"string": "byte", "int64": "int"}[t] for k, (t, _) in description.items()}
+                types = {k: {"string": "byte", "int64": "int", "float32": "float"}[t] for k, (t, _) in description.items()}
                 features = example_pb2.Example.FromString(bytes(record)).features
-                parsed = extract_feature_dict(features, types, {"byte": "bytes_list", "int": "int64_list"})
+                parsed = extract_feature_dict(features, types, {"byte": "bytes_list", "int": "int64_list",
+                                                                "float": "float_list"})
                 out = {}
                 for key, (t, shape) in description.items():
                     value = parsed[key]
@@ -97,7 +118,7 @@ class TensorFlowByTheTfrecordPackage:
                         out[key] = bytes(value)  # one bytes value, as FixedLenFeature([], tf.string)
                     else:
                         assert list(np.shape(value)) == (shape or [1]), (key, np.shape(value), shape)
-                        out[key] = np.asarray(value, np.int64).reshape(shape)
+                        out[key] = np.asarray(value, t).reshape(shape)
                 return out
 
             @staticmethod
@@ -155,7 +176,8 @@ def test_the_readme_recipe_on_the_tfrecord_package_gives_back_every_array(tmp_pa
     assert tf.descriptions[0] == {"image": ("string", []), "image/shape": ("int64", [len(shape)]),
                                   "image/dtype": ("string", []), "label": ("int64", [])}
     assert len(got) == len(x)
-    for (gx, gy), vx, vy in zip(got, x, y):
+    for rec, vx, vy in zip(got, x, y):
+        gx, gy = rec["image"], rec["label"]
         # a float32 [8, 8] comes back as 64 floats equal to the input (the .npy header made it 96)
         assert gx.shape == vx.shape and gx.dtype == vx.dtype and np.array_equal(gx, vx), (dtype, shape, codec)
         assert int(gy) == int(vy)
@@ -168,9 +190,37 @@ def test_the_readme_recipe_on_the_tfrecord_package_gives_back_every_array(tmp_pa
         assert bytes(rec["image"])[:8] == b"\x89PNG\r\n\x1a\n"  # the image file, as tf.io.decode_image reads it
     else:
         assert len(bytes(rec["image"])) == np.dtype(dtype).itemsize * int(np.prod(shape))  # no header
-    # Our own reader follows the same encoding.
+    # Our own reader follows the same encoding: integer features (token ids) as int64, the rest float32.
     split = load_split(tmp_path, "train", fmt="tfrecord")
-    assert np.array_equal(split.features, x.astype(np.float32)) and np.array_equal(split.labels, y)
+    want = np.int64 if dtype in ("int32", "int64") else np.float32
+    assert split.features.dtype == want and np.array_equal(split.features, x.astype(want))
+    assert split.labels.dtype == np.int64 and np.array_equal(split.labels, y) and len(split) == len(y)
+
+
+@pytest.mark.unit
+def test_every_kind_of_column_comes_back_exactly_through_the_recipe_and_the_reader(tmp_path):
+    values = write_columns(tmp_path, MIXED)
+    tf = TensorFlowByTheTfrecordPackage()
+    got = read_with_the_readme_recipe(tmp_path, "train", tf)
+    assert tf.descriptions[0] == {
+        "image": ("string", []), "image/shape": ("int64", [2]), "image/dtype": ("string", []),
+        "ids": ("string", []), "ids/shape": ("int64", [1]), "ids/dtype": ("string", []),
+        "weight": ("float32", []), "flag": ("int64", []), "count": ("int64", []),
+        "target": ("string", []), "target/shape": ("int64", [0]), "target/dtype": ("string", [])}
+    for name, want in values.items():
+        column = np.stack([np.asarray(rec[name]) for rec in got])
+        if name in ("flag", "count"):  # int64_list: the value, as an integer
+            column = column.astype(want.dtype)
+        assert column.shape == want.shape and column.dtype == want.dtype, name
+        assert column.tobytes() == want.tobytes(), name  # float64 and float32 scalars bit for bit
+    split = load_split(tmp_path, "train", fmt="tfrecord")
+    assert sorted(split.features) == ["count", "flag", "ids", "image", "weight"]
+    assert split.features["ids"].dtype == np.int64 and np.array_equal(split.features["ids"], values["ids"])
+    assert split.features["image"].dtype == np.float32 and np.array_equal(split.features["image"], values["image"])
+    assert split.features["weight"].tobytes() == values["weight"].tobytes()
+    assert np.array_equal(split.features["flag"], values["flag"].astype(np.float32))
+    assert np.array_equal(split.features["count"], values["count"].astype(np.float32))
+    assert split.labels.dtype == np.float32 and np.array_equal(split.labels, values["target"].astype(np.float32))
 
 
 @pytest.mark.unit
@@ -188,11 +238,11 @@ import sys
 import numpy as np
 
 exec(open(sys.argv[1]).read())  # the README's recipe: defines read_split
-xs, ys = [], []
-for x, y in read_split(sys.argv[2], "train"):
-    xs.append(x.numpy())
-    ys.append(int(y.numpy()))
-np.savez(sys.argv[3], x=np.stack(xs), y=np.asarray(ys, np.int64))
+columns = {}
+for record in read_split(sys.argv[2], "train"):
+    for name, value in record.items():
+        columns.setdefault(name, []).append(value.numpy())
+np.savez(sys.argv[3], **{name: np.stack(v) for name, v in columns.items()})
 """
 
 
@@ -207,6 +257,14 @@ def test_tensorflow_reads_the_shards_with_the_readme_recipe(tmp_path):
         out = tmp_path / f"case{i}.npz"
         run_reader("tensorflow", TF_SCRIPT, str(recipe), str(root), str(out))
         with np.load(out, allow_pickle=False) as got:
-            assert got["x"].dtype == x.dtype and got["x"].shape == x.shape, (dtype, shape, codec)
-            assert np.array_equal(got["x"], x), (dtype, shape, codec)
-            assert np.array_equal(got["y"], y)
+            assert got["image"].dtype == x.dtype and got["image"].shape == x.shape, (dtype, shape, codec)
+            assert np.array_equal(got["image"], x), (dtype, shape, codec)
+            assert np.array_equal(got["label"], y)
+    root = tmp_path / "mixed"
+    root.mkdir()
+    values = write_columns(root, MIXED)
+    run_reader("tensorflow", TF_SCRIPT, str(recipe), str(root), str(tmp_path / "mixed.npz"))
+    with np.load(tmp_path / "mixed.npz", allow_pickle=False) as got:
+        for name, want in values.items():
+            column = got[name].astype(want.dtype) if name in ("flag", "count") else got[name]
+            assert column.dtype == want.dtype and column.tobytes() == want.tobytes(), name

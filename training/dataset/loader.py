@@ -13,7 +13,7 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ballast.training.dataset.format import Block, blocks_of, read_manifest
 from ballast.training.dataset.order import SpanList, rank_spans, skip_samples
-from ballast.training.dataset.reader import Decoder, import_readers, read_block
+from ballast.training.dataset.reader import BlockDecoder, import_readers, read_block
 from ballast.training.failure import DataFailure
 from ballast.training.forkgate import GATE
 
@@ -30,17 +30,35 @@ class Spans(IterableDataset):
     """Decoded spans of a rank's epoch; worker w of k decodes spans w, w+k, ... so that the
     DataLoader, taking one item from each worker in turn, returns them in their planned order."""
 
-    def __init__(self, data_dir: Path, fmt: str, blocks: list[Block], spans: SpanList, decoder: Decoder, label: str,
+    def __init__(self, data_dir: Path, fmt: str, blocks: list[Block], spans: SpanList, decoder: BlockDecoder,
                  wait_seconds: float):
-        self.args = (Path(data_dir), fmt, blocks, spans, decoder, label, wait_seconds)
+        self.args = (Path(data_dir), fmt, blocks, spans, decoder, wait_seconds)
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        data_dir, fmt, blocks, spans, decoder, label, wait = self.args
+        data_dir, fmt, blocks, spans, decoder, wait = self.args
         info = get_worker_info()
         wid, k = (info.id, info.num_workers) if info else (0, 1)
         for b, rows in spans[wid::k]:
-            x, y = read_block(data_dir, blocks[b], fmt, decoder, label, wait)
-            yield torch.from_numpy(np.ascontiguousarray(x[rows])), torch.from_numpy(np.ascontiguousarray(y[rows]))
+            x, y = read_block(data_dir, blocks[b], fmt, decoder, wait)
+            take = partial(_take, rows=rows)
+            yield _map(x, take), (None if y is None else take(y))
+
+
+def _take(a: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a[rows]))
+
+
+def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
+    """fn on a tensor (one feature) or on each tensor of a dict (several)."""
+    return {k: fn(v) for k, v in x.items()} if isinstance(x, dict) else fn(x)
+
+
+def _cat(parts: list[Any]) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], dict):
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return torch.cat(parts)
 
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
@@ -115,20 +133,21 @@ class EpochLoader:
         self.blocks = blocks_of(manifest, split, fmt)
         if not self.blocks:
             raise DataFailure(f"{self.data_dir}: the manifest lists no {fmt} shards for split {split!r}")
-        self.decoder = Decoder(manifest["feature"], fmt)
-        self.label = manifest["label"]["name"]
+        self.decoder = BlockDecoder(manifest, fmt)
         self.workers, self.prefetch, self.wait_seconds = workers, prefetch, wait_seconds
         if workers:
-            import_readers(fmt, self.decoder.codec)
+            import_readers(fmt, self.decoder.codecs)
         self.samples_per_rank = sum(b.rows for b in self.blocks) // world
 
     def spans(self, epoch: int) -> SpanList:
         return rank_spans(self.blocks, seed=self.seed, epoch=epoch, rank=self.rank, world=self.world)
 
     def batches(self, epoch: int, *, batch: int, start: int = 0) -> Iterator[tuple[Any, Any]]:
-        """Full batches of `batch` samples from sample position `start` of this rank's epoch."""
+        """Full batches of `batch` samples from sample position `start` of this rank's epoch: (inputs,
+        target), inputs a tensor (one feature) or a dict of tensors by name, target a tensor or None
+        when the dataset has no label."""
         spans = skip_samples(self.spans(epoch), start)
-        dataset = Spans(self.data_dir, self.fmt, self.blocks, spans, self.decoder, self.label, self.wait_seconds)
+        dataset = Spans(self.data_dir, self.fmt, self.blocks, spans, self.decoder, self.wait_seconds)
         workers = min(self.workers, len(spans))
         # Its own generator: creating the loader must not draw from torch's global RNG, or a run resumed
         # mid-epoch (loader created at the resume point) would see other dropout masks than the original.
@@ -145,13 +164,15 @@ class EpochLoader:
                             prefetch_factor=self.prefetch if workers else None, multiprocessing_context=context,
                             worker_init_fn=init,
                             generator=torch.Generator().manual_seed(self.seed + epoch))
+        first = self.decoder.features[0].name if len(self.decoder.features) > 1 else None
         xs, ys, have = [], [], 0
         for x, y in _start(loader):
             xs.append(x)
             ys.append(y)
-            have += len(y)
+            have += len(x[first] if first else x)
             while have >= batch:
-                xcat, ycat = (torch.cat(xs), torch.cat(ys)) if len(xs) > 1 else (xs[0], ys[0])
-                yield xcat[:batch], ycat[:batch]
-                xs, ys = [xcat[batch:]], [ycat[batch:]]
+                xcat = _cat(xs)
+                ycat = None if y is None else _cat(ys)
+                yield _map(xcat, lambda t: t[:batch]), (None if ycat is None else ycat[:batch])
+                xs, ys = [_map(xcat, lambda t: t[batch:])], [None if ycat is None else ycat[batch:]]
                 have -= batch

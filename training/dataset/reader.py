@@ -1,9 +1,11 @@
 """Reading blocks of the converted dataset from the node-local cache, and whole splits.
 
 A block (training.dataset.format) is a Parquet row group of the Petastorm dataset or a whole TFRecord
-shard. The feature is decoded by its codec: .npy files (Petastorm, NdarrayCodec) or raw tensor bytes
-(TFRecord), PNG/JPEG for images in both. No torch here: evaluation reads whole splits without a
-DataLoader.
+shard. Each column is decoded by its codec, a whole block at once: .npy files (Petastorm,
+NdarrayCodec) or raw tensor bytes (TFRecord), PNG/JPEG for images in both, scalars as they are stored.
+Features come out float32 (float, uint8 and bool columns) or int64 (other integer columns, e.g. token
+ids), labels int64 (integer) or float32 (float). No torch here: evaluation reads whole splits without
+a DataLoader.
 """
 
 from __future__ import annotations
@@ -15,78 +17,140 @@ from typing import Any
 
 import numpy as np
 
-from ballast.training.dataset.format import (Block, FeatureLayout, blocks_of, decode_images, decode_tensors, npy_header,
-                                     read_manifest, tfrecord_description)
+from ballast.training.dataset.format import (Block, ColumnLayout, blocks_of, columns_of, decode_images, decode_tensors,
+                                             npy_header, read_manifest, tfrecord_description)
 from ballast.training.failure import DataFailure
+
+Features = np.ndarray | dict[str, np.ndarray]
+"""One feature column's array, or a dict of them by column name when there are several."""
 
 
 @dataclass
 class Split:
     """A whole split in memory (validation and test sets)."""
 
-    features: np.ndarray  # (N, *input_shape) float32
-    labels: np.ndarray    # (N,) int64
+    features: Features           # (N, *shape) per feature column
+    labels: np.ndarray | None    # (N, *label shape), or None when the dataset has no label (causal_lm)
+    rows: int = 0
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return self.rows
 
 
 class Decoder:
-    """Turns a block's encoded feature values into float32 arrays of the field's shape."""
+    """Turns one column's encoded values (a whole block's) into an array of its decoded dtype."""
 
-    def __init__(self, feature: dict, fmt: str = "petastorm"):
-        self.layout = FeatureLayout.from_manifest(feature)
+    def __init__(self, column: dict | ColumnLayout, fmt: str = "petastorm"):
+        self.layout = column if isinstance(column, ColumnLayout) else ColumnLayout.from_manifest(column)
         self.name, self.shape, self.codec = self.layout.name, self.layout.shape, self.layout.codec
         # Petastorm holds NdarrayCodec's .npy files, TFRecord the bare tensor bytes.
         self.header = npy_header(self.layout.numpy_dtype, self.shape) if fmt == "petastorm" else b""
+        self.size = len(self.header) + self.layout.tensor_bytes
 
-    def decode(self, values: list[bytes] | Any, where: str) -> np.ndarray:
+    def decode(self, values: list[bytes] | np.ndarray | Any, where: str) -> np.ndarray:
+        if self.codec == "scalar":
+            return np.asarray(values).astype(self.layout.decoded_dtype, copy=False)
         if self.codec == "ndarray":
             return decode_tensors(self.layout, values, where, self.header)
         return decode_images(self.layout, values, where)
 
 
-def import_readers(fmt: str, codec: str) -> None:
-    """Import what read_block will need for this format and codec, in the process that forks the loader
+class BlockDecoder:
+    """Every column of a dataset: what read_block decodes and how it hands the block out."""
+
+    def __init__(self, manifest: dict, fmt: str = "petastorm"):
+        self.features, self.label = columns_of(manifest)
+        if not self.features:
+            raise DataFailure("the dataset manifest lists no feature column; convert the dataset again")
+        self.columns = [*self.features, *([self.label] if self.label else [])]
+        self.decoders = {c.name: Decoder(c, fmt) for c in self.columns}
+        self.fmt = fmt
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The first feature's shape (the model's input shape when there is one feature)."""
+        return self.features[0].shape
+
+    @property
+    def codecs(self) -> set[str]:
+        return {c.codec for c in self.columns}
+
+    def inputs(self, decoded: dict[str, np.ndarray]) -> Features:
+        """One feature: its array; several: a dict by name."""
+        if len(self.features) == 1:
+            return decoded[self.features[0].name]
+        return {c.name: decoded[c.name] for c in self.features}
+
+
+def import_readers(fmt: str, codecs: set[str] | str) -> None:
+    """Import what read_block will need for this format and codecs, in the process that forks the loader
     workers: each epoch's workers then start with it loaded instead of importing it (pyarrow.parquet
     alone is ~0.4 s on a busy core) while training waits for its first batch."""
     if fmt == "petastorm":
         import pyarrow.parquet  # noqa: F401
     else:
         import tfrecord.reader  # noqa: F401
-    if codec != "ndarray":
+    if set([codecs] if isinstance(codecs, str) else codecs) & {"png", "jpeg"}:
         import cv2  # noqa: F401
 
 
-def read_block(data_dir: Path, block: Block, fmt: str, decoder: Decoder, label: str,
-               wait_seconds: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Decode one block: (features float32 (n, *shape), labels int64 (n,))."""
+def _binary_matrix(col: Any, size: int) -> np.ndarray | list[bytes]:
+    """A Parquet binary column as an (n, size) uint8 matrix straight from Arrow's buffers when every
+    value has `size` bytes (no Python object per row); else its values as bytes."""
+    import pyarrow as pa
+
+    arr = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+    if arr.null_count == 0 and pa.types.is_binary(arr.type) and len(arr):
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset:arr.offset + len(arr) + 1]
+        if (np.diff(offsets) == size).all():
+            data = np.frombuffer(arr.buffers()[2], dtype=np.uint8)
+            return data[offsets[0]:offsets[-1]].reshape(len(arr), size)
+    return arr.to_pylist()
+
+
+def read_block(data_dir: Path, block: Block, fmt: str, decoder: BlockDecoder,
+               wait_seconds: float = 0.0) -> tuple[Features, np.ndarray | None]:
+    """Decode one block: (features: an array (n, *shape) or a dict of them, labels (n, ...) or None)."""
     path = Path(data_dir) / block.path
     _wait_for(path, block.bytes, wait_seconds)
+    raw: dict[str, Any] = {}
     if fmt == "petastorm":
         import pyarrow.parquet as pq
 
         try:
-            table = pq.ParquetFile(path).read_row_group(block.row_group, columns=[decoder.name, label])
-            values = table.column(decoder.name).to_pylist()
-            y = table.column(label).to_numpy()
+            table = pq.ParquetFile(path).read_row_group(block.row_group, columns=decoder.names)
+            for c in decoder.columns:
+                col = table.column(c.name)
+                raw[c.name] = col.to_numpy() if c.is_scalar else _binary_matrix(col, decoder.decoders[c.name].size)
+            n = table.num_rows
         except Exception as exc:  # ArrowInvalid / OSError for truncated or foreign files
             raise DataFailure(f"{path}: cannot read Parquet row group {block.row_group} ({exc})") from exc
     else:
         from tfrecord.reader import tfrecord_loader
 
-        values, labels = [], []
+        raw = {c.name: [] for c in decoder.columns}
+        kinds = tfrecord_description(decoder.columns)
+        n = 0
         try:
-            for rec in tfrecord_loader(str(path), None, tfrecord_description(decoder.layout, label)):
-                v = rec[decoder.name]
-                values.append(v if isinstance(v, bytes) else v.tobytes())
-                labels.append(int(rec[label][0]))
+            for rec in tfrecord_loader(str(path), None, kinds):
+                for name, kind in kinds.items():
+                    v = rec[name]
+                    raw[name].append((v if isinstance(v, bytes) else v.tobytes()) if kind == "byte" else v[0])
+                n += 1
         except Exception as exc:
             raise DataFailure(f"{path}: cannot read TFRecord shard ({exc})") from exc
-        y = np.asarray(labels, np.int64)
-    if len(y) != block.rows:
-        raise DataFailure(f"{path}: {len(y)} rows where the manifest says {block.rows}")
-    return decoder.decode(values, str(path)), y.astype(np.int64, copy=False)
+        for c in decoder.columns:  # float64 scalars: their 8 raw bytes
+            if c.is_scalar and kinds[c.name] == "byte":
+                raw[c.name] = decode_tensors(ColumnLayout(c.name, c.dtype, (), "ndarray", c.role), raw[c.name],
+                                             str(path)).reshape(-1)
+    if n != block.rows:
+        raise DataFailure(f"{path}: {n} rows where the manifest says {block.rows}")
+    decoded = {c.name: decoder.decoders[c.name].decode(raw[c.name], str(path)) for c in decoder.columns}
+    return decoder.inputs(decoded), (decoded[decoder.label.name] if decoder.label else None)
 
 
 def _wait_for(path: Path, size: int, wait_seconds: float) -> None:
@@ -102,19 +166,26 @@ def _wait_for(path: Path, size: int, wait_seconds: float) -> None:
         raise DataFailure(f"{path}: size {path.stat().st_size} differs from the manifest ({size})")
 
 
+def concat_features(parts: list[Features]) -> Features:
+    if isinstance(parts[0], dict):
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return np.concatenate(parts)
+
+
 def load_split(data_dir: Path, split: str, *, fmt: str, num_classes: int | None = None,
                wait_seconds: float = 0.0) -> Split:
-    """A whole split in memory, in file order (validation and test sets)."""
+    """A whole split in memory, in file order (validation and test sets). Integer labels are checked
+    against [0, num_classes) when the dataset (or the caller) has a number of classes."""
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     blocks = blocks_of(manifest, split, fmt)
     if not blocks:
         raise DataFailure(f"{data_dir}: the manifest lists no {fmt} shards for split {split!r}")
-    decoder = Decoder(manifest["feature"], fmt)
-    parts = [read_block(data_dir, b, fmt, decoder, manifest["label"]["name"], wait_seconds) for b in blocks]
-    x = np.concatenate([p[0] for p in parts])
-    y = np.concatenate([p[1] for p in parts])
-    classes = num_classes or manifest["label"]["num_classes"]
-    if len(y) and (y.min() < 0 or y.max() >= classes):
+    decoder = BlockDecoder(manifest, fmt)
+    parts = [read_block(data_dir, b, fmt, decoder, wait_seconds) for b in blocks]
+    x = concat_features([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts]) if decoder.label else None
+    classes = num_classes or manifest.get("num_classes")
+    if y is not None and classes and decoder.label.is_integer and y.size and (y.min() < 0 or y.max() >= classes):
         raise DataFailure(f"{data_dir}: labels outside [0, {classes}) in split {split!r}")
-    return Split(x, y)
+    return Split(x, y, sum(b.rows for b in blocks))

@@ -136,6 +136,9 @@ def check_frame(table: Any, dataset: DatasetSpec) -> tuple[Any, dict[str, int]]:
     data: dict[str, Any] = {}
     arrays: dict[str, int] = {}
     for f in dataset.fields:
+        if f.name == dataset.text:
+            data[f"{f.name}__len"], data[f"{f.name}__dup"] = text_stats(table.column(f.name))
+            continue
         if not f.shape:
             data[f.name] = table.column(f.name).to_pandas()
             if f.type in _FLOAT:
@@ -162,3 +165,21 @@ def check_frame(table: Any, dataset: DatasetSpec) -> tuple[Any, dict[str, int]]:
         data[f"{f.name}__max"] = maxs
         data[f"{f.name}__finite"] = finite
     return pd.DataFrame(data), arrays
+
+
+def text_stats(column: Any) -> tuple[Any, Any]:
+    """Per row of a text column: its length in characters (NaN for null) and whether it repeats an
+    earlier row's text (dictionary codes: the first row of each distinct text is the original)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    col = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    lengths = pc.utf8_length(col).to_numpy(zero_copy_only=False).astype(np.float64)
+    codes = pc.fill_null(pc.dictionary_encode(col).indices, -1).to_numpy(zero_copy_only=False)
+    dup = np.zeros(len(codes), dtype=bool)
+    if len(codes):
+        _, first = np.unique(codes, return_index=True)
+        dup[:] = True
+        dup[first] = False
+        dup[codes < 0] = False
+    return lengths, dup

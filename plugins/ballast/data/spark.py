@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.errors import DataError
-from ballast.data.packing import SPLITS, FeatureEncoder, feature_layout, read_chunk, split_codes, write_shard
+from ballast.data.packing import SPLITS, FeatureEncoder, read_chunk, split_codes, write_shard
 
 
 def _split_offsets(chunks, spec, bad_rows) -> tuple[list[list[int]], dict[str, int]]:
@@ -55,34 +55,35 @@ def convert_spark(chunks, spec, bad_rows, staging: Path, *, log) -> list[dict]:
     log.info("spark: %d raw row groups -> %d shards (%s)", len(chunks), n_shards,
              ", ".join(f"{s}={shards_per_split[s]}" for s in SPLITS))
 
+    label = ds.label_field
+    fields = [(f, "feature") for f in ds.features] + ([(label, "label")] if label else [])
+    layouts = [FeatureEncoder(f, role).layout for f, role in fields]
+
     def encode(task: tuple[Any, list[int]]):
         import numpy as np
 
         chunk, before = task
-        enc = FeatureEncoder(ds.features[0])
+        encoders = [FeatureEncoder(f, role) for f, role in fields]
         seen = list(before)
-        for ids, x, y in read_chunk(chunk, ds, conv.read_batch_rows, drop=bad_rows):
+        for ids, values in read_chunk(chunk, ds, conv.read_batch_rows, drop=bad_rows):
             codes = split_codes(ids, validation=ds.split.validation, test=ds.split.test, seed=ds.split.seed)
-            values = enc.encode(x).to_pylist()
+            cols = [e.encode(values[e.layout.name]).to_pylist() for e in encoders]
             for k, split in enumerate(SPLITS):
                 sel = np.flatnonzero(codes == k)
                 for j, i in enumerate(sel):
                     pos = seen[k] + j
-                    yield (base[split] + pos // conv.shard_rows, pos), (values[i], int(y[i]))
+                    yield (base[split] + pos // conv.shard_rows, pos), tuple(c[i] for c in cols)
                 seen[k] += len(sel)
 
     def write(index: int, rows):
-        import numpy as np
         import pyarrow as pa
 
         rows = list(rows)
         if not rows:
             return []
         split, shard = owner[index]
-        feature = pa.array([r[1][0] for r in rows], type=pa.binary())
-        labels = np.array([r[1][1] for r in rows], dtype=np.int64)
-        return write_shard(staging, split, shard, feature, labels, formats=conv.formats,
-                           layout=feature_layout(ds.features[0]), label_name=ds.label,
+        columns = {c.name: pa.array([r[1][j] for r in rows], type=_arrow_type(c)) for j, c in enumerate(layouts)}
+        return write_shard(staging, split, shard, columns, formats=conv.formats, layouts=layouts,
                            row_group_rows=conv.row_group_rows)
 
     spark = session(conv.spark_master)
@@ -99,8 +100,15 @@ def convert_spark(chunks, spec, bad_rows, staging: Path, *, log) -> list[dict]:
     return entries
 
 
+def _arrow_type(layout) -> Any:
+    """The Arrow type FeatureEncoder gives a column: binary for arrays, the stored type of a scalar."""
+    import pyarrow as pa
+
+    return pa.binary() if not layout.is_scalar else pa.from_numpy_dtype(layout.stored_dtype)
+
+
 def session(master: str):
-    """A Spark session whose Python workers run this interpreter (they need Ballast and petastorm)."""
+    """A Spark session whose Python workers run this interpreter (they need Ballast)."""
     import logging
 
     logging.getLogger("py4j").setLevel(logging.WARNING)  # its shutdown chatter lands in closed log streams

@@ -1,8 +1,10 @@
 """Stage 1: check the raw data with Great Expectations before anything trusts it.
 
 Runs the spec's rules, the named suite files, and (by default) schema checks derived from the spec:
-every field present with its type, no nulls, array fields of the declared shape, and labels in
-[0, num_classes). A failure fails the task without retrying, listing which expectations failed, on
+every field present with its type, no nulls, array fields of the declared shape, and integer labels
+in [0, num_classes). A text dataset's tokenizer is loaded first (a missing or broken file fails before
+any data is read), and its text column is checked through derived columns (`text_length`,
+`duplicate_share`). A failure fails the task without retrying, listing which expectations failed, on
 how many rows, with a few bad values.
 """
 
@@ -17,12 +19,17 @@ from ballast.errors import DataError, SpecError
 from ballast.data.raw import check_frame, fingerprint_files, raw_files, read_table
 from ballast.records import Quarantine, ValidateResult
 from ballast.spec import RuleSpec
+from ballast.spec.validation import TEXT_RULES
 
 
 def rules_for(ctx: RunContext) -> list[dict]:
     spec = ctx.spec
     rules: list[dict] = [r.model_dump() for r in spec.validation.rules]
     names = {f.name for f in spec.dataset.fields}
+    for i, r in enumerate(spec.validation.rules):
+        if r.kind in TEXT_RULES and r.column != spec.dataset.text:
+            raise SpecError(f"validation.rules[{i}]: rule {r.kind!r} checks the text column (dataset.text:"
+                            f" {spec.dataset.text!r}), not {r.column!r}")
     for suite in spec.validation.suites:
         from pydantic import ValidationError
 
@@ -40,29 +47,41 @@ def rules_for(ctx: RunContext) -> list[dict]:
             if rule.column is not None and rule.column not in names:
                 raise SpecError(f"{path}: rules[{i}].column: {rule.column!r} is not a field of dataset"
                                 f" {spec.name!r} ({', '.join(sorted(names))})")
+            if rule.kind in TEXT_RULES and rule.column != spec.dataset.text:
+                raise SpecError(f"{path}: rules[{i}]: rule {rule.kind!r} checks the text column (dataset.text:"
+                                f" {spec.dataset.text!r}), not {rule.column!r}")
             rules.append(rule.model_dump())
     if spec.validation.schema_checks:
         for f in spec.dataset.fields:
             rules.append({"kind": "not_null", "column": f.name})
             if f.shape:
                 rules.append({"kind": "shape", "column": f.name})
-        rules.append({"kind": "between", "column": spec.dataset.label, "min": 0,
-                      "max": spec.dataset.num_classes - 1})
+        label = spec.dataset.label_field
+        if label is not None and spec.dataset.num_classes and label.type in ("int32", "int64", "uint8"):
+            rules.append({"kind": "between", "column": label.name, "min": 0, "max": spec.dataset.num_classes - 1})
     return rules
 
 
 def run(ctx: RunContext) -> ValidateResult:
     from ballast import data_checks
+    from ballast.spec.loading import check_model_options
 
+    check_model_options(ctx.spec, source=ctx.spec_file or ctx.spec.name)  # before any data is read
     t0 = time.monotonic()
     v = ctx.spec.validation
+    rules = rules_for(ctx)
+    if ctx.spec.dataset.text is not None:
+        from ballast.data.text import load_tokenizer
+
+        tok = load_tokenizer(ctx)  # a missing or unreadable tokenizer fails before any data is read
+        ctx.log.info("tokenizer: %s (vocabulary %d, end-of-text id %d)", tok.describe, tok.vocab_size, tok.eot_id)
     files = raw_files(ctx)
     table = read_table(files, ctx.spec.dataset)
     frame, arrays = check_frame(table, ctx.spec.dataset)
-    rules = rules_for(ctx)
     ctx.log.info("validating %d rows from %d file(s) with %d rules", table.num_rows, len(files), len(rules))
     quarantine = v.on_failure == "quarantine"
-    report = data_checks.run(frame, rules, array_columns=arrays, name=ctx.spec.name, row_indices=quarantine)
+    report = data_checks.run(frame, rules, array_columns=arrays, name=ctx.spec.name, row_indices=quarantine,
+                             text_columns=[ctx.spec.dataset.text] if ctx.spec.dataset.text else [])
     result = ValidateResult(
         rows=table.num_rows,
         files=[str(p) for p in files],

@@ -1,0 +1,281 @@
+"""Text to training sequences: a language model's documents, tokenized, joined and cut, streamed.
+
+The raw input is Parquet with a text column (`dataset.text`), one document per row. Documents go to
+train/validation/test by the same hash of their row id as any other dataset's rows; each split's
+documents are joined in row order with end-of-text between them and cut into `seq_len + 1` token
+sequences (no padding: a split's last partial sequence is dropped), written as the int32 `tokens`
+column, shard by shard (ballast.data.packing). Memory is bounded by one raw row group, a slice of at
+most TEXT_SLICE_BYTES of text and one shard per split, never by the corpus.
+
+Two tokenizers (`dataset.tokenizer`): the byte vocabulary (`{kind: bytes}`: ids 0-255 are the UTF-8
+bytes, 256 is end-of-text; done with numpy on Arrow's buffers, no Python object per document), or a
+Hugging Face `tokenizers` JSON file from the pipeline's storage (`{file: KEY}`, `encode_batch`). The
+manifest's `tokenizer` entry records kind, sha256 of the file, vocab_size, eot_id and `token_bytes`, the
+UTF-8 bytes each id stands for (0 for special tokens), from which bits per byte is computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from ballast.errors import DataError, SpecError, StorageError
+
+TOKENS = "tokens"
+BYTE_EOT = 256
+TEXT_SLICE_BYTES = 4 << 20
+EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+
+
+@dataclass
+class TextTokenizer:
+    """A loaded tokenizer: what the manifest records of it and how a batch of documents is encoded."""
+
+    kind: str                       # bytes or file
+    vocab_size: int
+    eot_id: int
+    token_bytes: list[int]
+    sha256: str | None = None       # of the tokenizer file (kind file)
+    source: str = "the byte vocabulary"
+    hf: Any = field(default=None, repr=False)
+
+    @property
+    def describe(self) -> str:
+        return self.source if self.kind == "bytes" else f"{self.source} (sha256 {self.sha256[:12]})"
+
+    def manifest_entry(self) -> dict:
+        return {"kind": self.kind, "sha256": self.sha256, "vocab_size": self.vocab_size, "eot_id": self.eot_id,
+                "token_bytes": self.token_bytes}
+
+    def encode(self, texts: Any) -> tuple[Any, Any]:
+        """(token ids int32 of every document, concatenated; each document's token count) of an Arrow
+        string array."""
+        import numpy as np
+        import pyarrow as pa
+
+        if self.kind == "bytes":
+            arr = texts.cast(pa.large_string()) if not pa.types.is_large_string(texts.type) else texts
+            n = len(arr)
+            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[arr.offset:arr.offset + n + 1]
+            data = arr.buffers()[2]
+            raw = np.frombuffer(data, dtype=np.uint8)[offsets[0]:offsets[-1]] if data is not None and n else \
+                np.zeros(0, np.uint8)
+            return raw.astype(np.int32), np.diff(offsets)
+        encodings = self.hf.encode_batch(texts.to_pylist(), add_special_tokens=False)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+        ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int32, count=int(lengths.sum()))
+        return ids, lengths
+
+
+def byte_tokenizer() -> TextTokenizer:
+    return TextTokenizer(kind="bytes", vocab_size=257, eot_id=BYTE_EOT, token_bytes=[1] * 256 + [0])
+
+
+def tokenizer_bytes(ctx: Any, name: str) -> tuple[bytes, str]:
+    """The tokenizer file `name`: a key in the pipeline's storage, else a path (relative paths under
+    BALLAST_HOME). (its bytes, where it was found)."""
+    from ballast.storage import resolve_local
+
+    if not Path(name).is_absolute():
+        try:
+            if ctx.storage.exists(name):
+                return ctx.storage.read_bytes(name), ctx.storage.describe(name)
+        except (StorageError, ValueError):
+            pass
+    path = resolve_local(name)
+    if path.is_file():
+        return path.read_bytes(), str(path)
+    raise SpecError(f"dataset.tokenizer.file: {name!r} is neither a key in storage {ctx.storage.uri} nor a file"
+                    f" ({path}); upload the tokenizer JSON there or give its path")
+
+
+def file_tokenizer(data: bytes, source: str, eot: str | None = None) -> TextTokenizer:
+    """A Hugging Face tokenizers JSON file as a TextTokenizer; SpecError naming the problem."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    try:
+        config = json.loads(data)
+        hf = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # ValueError, UnicodeDecodeError, tokenizers' Exception
+        raise SpecError(f"dataset.tokenizer.file: {source} is not a tokenizers JSON file"
+                        f" ({str(exc).splitlines()[0][:200]})") from exc
+    vocab = hf.get_vocab(with_added_tokens=True)
+    names = [eot] if eot else [t for t in EOT_CANDIDATES if t in vocab]
+    if not names or names[0] not in vocab:
+        want = repr(eot) if eot else "none of " + ", ".join(EOT_CANDIDATES)
+        raise SpecError(f"dataset.tokenizer: {source} has {want} in its vocabulary; name its end-of-text token"
+                        f" in dataset.tokenizer.eot")
+    size = hf.get_vocab_size(with_added_tokens=True)
+    return TextTokenizer(kind="file", vocab_size=size, eot_id=vocab[names[0]], sha256=hashlib.sha256(data).hexdigest(),
+                         token_bytes=token_bytes(hf, config, size), source=source, hf=hf)
+
+
+def token_bytes(hf: Any, config: dict, size: int) -> list[int]:
+    """UTF-8 bytes each id stands for: special tokens 0; a byte-level vocabulary (GPT-2's: one character
+    per byte) the token's length; any other the UTF-8 length of the token decoded alone."""
+    special = {i for i, t in _added_tokens(hf).items() if getattr(t, "special", False)}
+    special |= {t["id"] for t in config.get("added_tokens") or [] if t.get("special")}
+    decoders = config.get("decoder") or {}
+    kinds = {d.get("type") for d in decoders.get("decoders", [decoders])} if isinstance(decoders, dict) else set()
+    out = []
+    if "ByteLevel" in kinds:
+        for i in range(size):
+            tok = hf.id_to_token(i)
+            out.append(0 if i in special or tok is None else len(tok))
+        return out
+    decoded = hf.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    return [0 if i in special else len(s.encode("utf-8")) for i, s in enumerate(decoded)]
+
+
+def _added_tokens(hf: Any) -> dict:
+    try:
+        return dict(hf.get_added_tokens_decoder())
+    except AttributeError:  # an older tokenizers
+        return {}
+
+
+def load_tokenizer(ctx: Any) -> TextTokenizer:
+    """The spec's tokenizer (dataset.tokenizer; default the byte vocabulary)."""
+    spec = ctx.spec.dataset.tokenizer_spec
+    if spec.kind == "bytes":
+        return byte_tokenizer()
+    data, source = tokenizer_bytes(ctx, spec.file)
+    return file_tokenizer(data, source, spec.eot)
+
+
+# --- the stream: documents -> split streams -> sequences -> shards -----------------------------------------
+
+
+def text_slices(chunk: Any, column: str, batch_rows: int, drop: Any) -> Iterator[tuple[Any, Any]]:
+    """(global row ids, Arrow string array) of a raw row group, at most `batch_rows` documents and about
+    TEXT_SLICE_BYTES of text at a time, without the quarantined rows (`drop`)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(chunk.path)
+        first = chunk.first_row
+        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[chunk.row_group], columns=[column]):
+            ids = np.arange(first, first + batch.num_rows, dtype=np.int64)
+            first += batch.num_rows
+            col = batch.column(0)
+            if drop is not None and drop.size:
+                keep = ~np.isin(ids, drop)
+                if not keep.all():
+                    col, ids = col.filter(pa.array(keep)), ids[keep]
+            if col.null_count:
+                bad = int(ids[np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0]])
+                raise DataError(f"{chunk.path}: row {bad}: text {column!r} is null; validate the data first")
+            sizes = np.cumsum(pc.binary_length(col).to_numpy(zero_copy_only=False).astype(np.int64))
+            start = 0
+            while start < len(ids):
+                base = sizes[start - 1] if start else 0
+                stop = max(start + 1, int(np.searchsorted(sizes, base + TEXT_SLICE_BYTES, side="right")))
+                yield ids[start:stop], col.slice(start, stop - start)
+                start = stop
+    except DataError:
+        raise
+    except Exception as exc:  # truncated files surface here, mid-read
+        raise DataError(f"{chunk.path}: cannot read row group {chunk.row_group} ({exc})") from exc
+
+
+class SequenceCutter:
+    """One split's token stream cut into rows of `row_len` tokens, handed out `shard_rows` at a time."""
+
+    def __init__(self, row_len: int, shard_rows: int, eot_id: int):
+        self.row_len, self.shard_rows, self.eot_id = row_len, shard_rows, eot_id
+        self.parts: list[Any] = []
+        self.have = 0
+        self.tokens = 0
+        self.documents = 0
+
+    def add(self, ids: Any, lengths: Any) -> Iterator[Any]:
+        """Append documents (their ids, concatenated, and token counts) with end-of-text before each but
+        the split's first; yields full shards (shard_rows, row_len) int32."""
+        import numpy as np
+
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        joined = np.insert(ids, starts, np.int32(self.eot_id)) if len(lengths) else ids
+        if self.documents == 0 and len(joined):
+            joined = joined[1:]
+        self.documents += len(lengths)
+        self.tokens += len(joined)
+        self.parts.append(joined.astype(np.int32, copy=False))
+        self.have += len(joined)
+        while self.have >= self.shard_rows * self.row_len:
+            yield self._take(self.shard_rows)
+
+    def finish(self) -> Iterator[Any]:
+        """The last shard: the full rows left; the partial row after them is dropped."""
+        rows = self.have // self.row_len
+        if rows:
+            yield self._take(rows)
+        self.parts, self.have = [], 0
+
+    def _take(self, rows: int) -> Any:
+        import numpy as np
+
+        flat = np.concatenate(self.parts) if len(self.parts) > 1 else self.parts[0]
+        n = rows * self.row_len
+        self.parts = [flat[n:]] if len(flat) > n else []
+        self.have = len(flat) - n
+        return flat[:n].reshape(rows, self.row_len)
+
+
+def convert_text(chunks: list, spec: Any, bad_rows: Any, staging: Path, tokenizer: TextTokenizer, seq_len: int,
+                 progress: Any = None) -> tuple[list[dict], dict]:
+    """Tokenize, join, cut and write every split's sequences; (manifest entries, counts by split)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ballast.data.packing import SPLITS, FeatureEncoder, split_codes, tokens_field, write_shard
+
+    ds, conv = spec.dataset, spec.conversion
+    enc = FeatureEncoder(tokens_field(seq_len))
+    if tokenizer.vocab_size > np.iinfo(np.int32).max:
+        raise DataError(f"dataset.tokenizer: a vocabulary of {tokenizer.vocab_size} ids does not fit int32 tokens")
+    cutters = {s: SequenceCutter(seq_len + 1, conv.shard_rows, tokenizer.eot_id) for s in SPLITS}
+    shard_no = {s: 0 for s in SPLITS}
+    entries: list[dict] = []
+    text_bytes = 0
+
+    def write(split: str, rows: Any) -> None:
+        entries.extend(write_shard(staging, split, shard_no[split], {TOKENS: enc.encode(rows)}, formats=conv.formats,
+                                   layouts=[enc.layout], row_group_rows=conv.row_group_rows))
+        shard_no[split] += 1
+
+    for chunk in chunks:
+        for ids, texts in text_slices(chunk, ds.text, conv.read_batch_rows, bad_rows):
+            codes = split_codes(ids, validation=ds.split.validation, test=ds.split.test, seed=ds.split.seed)
+            for k, split in enumerate(SPLITS):
+                sel = np.flatnonzero(codes == k)
+                if sel.size:
+                    docs = texts.take(pa.array(sel))
+                    tokens, lengths = tokenizer.encode(docs)
+                    for rows in cutters[split].add(tokens, lengths):
+                        write(split, rows)
+            text_bytes += int(pc.sum(pc.binary_length(texts)).as_py() or 0)
+            if progress:
+                progress.add(len(ids))
+    for split in SPLITS:
+        for rows in cutters[split].finish():
+            write(split, rows)
+    counts = {s: {"documents": c.documents, "tokens": c.tokens, "sequences": c.tokens // (seq_len + 1)}
+              for s, c in cutters.items()}
+    return entries, {"splits": counts, "text_bytes": text_bytes}
+
+
+def tokenizer_fingerprint(ctx: Any) -> dict:
+    """What of the tokenizer goes into the dataset id: its kind, and the file's sha256."""
+    t = ctx.spec.dataset.tokenizer_spec
+    if t.kind == "bytes":
+        return {"kind": "bytes"}
+    data, _ = tokenizer_bytes(ctx, t.file)
+    return {"kind": "file", "sha256": hashlib.sha256(data).hexdigest(), "eot": t.eot}
