@@ -1,7 +1,9 @@
-"""A plain, hand-written DDP training loop: the yardstick for `ballast bench overhead`.
+"""A plain, hand-written DDP training loop: the yardstick for `ballast bench overhead` and `bench lm`.
 
-Same model, data, order and optimizer as the trainer, with none of its monitors, checkpoints or
-metrics. Run under torchrun with the trainer's run config; writes baseline.json to the output dir.
+Same model, data, order, loss and optimizer as the trainer, with none of its monitors, checkpoints or
+metrics: the task's inputs and loss as any PyTorch user writes them (a causal language model: the
+sequence's tokens but the last in, cross-entropy against the tokens shifted by one). Run under torchrun
+with the trainer's run config; writes baseline.json to the output dir.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from pathlib import Path
 def main() -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ballast.training.config import RunConfig
     from ballast.training.dataset.loader import EpochLoader
     from ballast.training.models import build_configured_model, build_optimizer
+    from ballast.training.tasks.ops import TaskOps
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -38,6 +40,7 @@ def main() -> None:
     data = EpochLoader(Path(cfg.data.directory), fmt=cfg.data.format, rank=rank, world=world, seed=cfg.seed,
                        workers=cfg.data.loader_workers, prefetch=cfg.data.loader_prefetch)
     model = DDP(build_configured_model(cfg.model))
+    task = TaskOps(cfg.model.task, num_classes=cfg.model.data.get("num_classes"))
     opt = build_optimizer(cfg.optim.optimizer, model.parameters(), lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay)
     per_step = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps
     seconds, samples = 0.0, 0
@@ -48,7 +51,8 @@ def main() -> None:
         # leftover rows and its workers' shutdown (held off by keeping `batches` alive until then).
         batches = data.batches(epoch, batch=per_step)
         for _, (x, y) in zip(range(steps), batches):
-            loss = F.cross_entropy(model(x), y)
+            x, y = task.prepare(x, y)
+            loss = task.loss(model(x), y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip_norm)
             opt.step()

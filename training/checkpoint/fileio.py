@@ -24,10 +24,15 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def load_tensors(path: Path) -> Any:
-    """Load a tensor file without unpickling arbitrary objects."""
+    """Load a tensor file without unpickling arbitrary objects: safetensors (`.safetensors`, what publish
+    writes) or a torch file read with `weights_only` (checkpoints)."""
     import torch
 
     try:
+        if Path(path).suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path), device="cpu")
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for a bad file
         raise CheckpointFailure(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc

@@ -24,6 +24,10 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
         given = {"mtbf": getattr(args, "mtbf", None), "epochs": getattr(args, "epochs", None)}
         return bench_goodput(**{k: v for k, v in given.items() if v is not None})
+    if name == "lm":
+        from ballast.bench.lm import bench_lm
+
+        return bench_lm()
     if name in ("convert", "read", "warmup"):
         from ballast.bench import data_plane
 

@@ -64,7 +64,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ballast.dev.dag_run import run_demo
 
-    return run_demo(spec_name=args.spec, conf=dict(kv.split("=", 1) for kv in args.conf))
+    return run_demo(spec_name=args.spec, conf=dict(kv.split("=", 1) for kv in args.conf), verbose=args.verbose)
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="run an example pipeline end to end through Airflow (dag.test)")
     s.add_argument("--spec", default="digits", help="spec name in dags/specs (default digits)")
     s.add_argument("--conf", nargs="*", default=[], metavar="KEY=VALUE", help="run parameters")
+    s.add_argument("--verbose", action="store_true", help="Airflow's full log on the console instead of a file")
     s.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("ui", help="run the Airflow API server (UI), scheduler and DAG processor locally")
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="run a benchmark and write its JSON")
     s.add_argument("name", choices=["parse", "overhead", "checkpoint", "recovery", "goodput", "convert", "read",
-                                           "warmup"])
+                                           "warmup", "lm"])
     s.add_argument("--rows", type=int, help="convert, warmup: rows of synthetic data (convert: the 1x size)")
     s.add_argument("--samples", type=int, help="read: number of samples")
     s.add_argument("--specs", type=int, default=50, help="parse: number of generated specs")

@@ -82,33 +82,62 @@ def _coerce(value: str) -> Any:
         return value
 
 
-def run_demo(spec_name: str = "digits", conf: dict[str, str] | None = None) -> int:
+def write_example_data(spec_name: str, dest: Path) -> Path:
+    """The raw data an example spec of dags/specs reads, written where it expects it."""
+    from ballast.data import demo
+
+    writers = {"digits": demo.write_digits}
+    if spec_name not in writers:
+        raise SystemExit(f"{dest}: no raw data for the {spec_name} spec; write it first (ballast data --help)")
+    return writers[spec_name](dest)
+
+
+def run_demo(spec_name: str = "digits", conf: dict[str, str] | None = None, *, verbose: bool = False) -> int:
     root = configure_env()
     from ballast.spec import apply_overrides, load_spec
     from ballast.storage import open_storage, resolve_local
 
     spec_path = Path(os.environ["AIRFLOW__CORE__DAGS_FOLDER"]) / "specs" / f"{spec_name}.yaml"
+    if not spec_path.is_file():
+        names = sorted(p.stem for p in spec_path.parent.glob("*.yaml"))
+        raise SystemExit(f"ballast demo --spec {spec_name}: no {spec_path}; the example specs are {', '.join(names)}")
     spec = load_spec(spec_path)
     params = {k: _coerce(v) for k, v in (conf or {}).items()}
     # Refused here, before Airflow creates a run: an unknown name (a typo would train with the default)
     # or a value outside a field's bounds, each as one line (SpecError; the CLI prints it, exit 2).
     apply_overrides(spec, params, source=f"{spec_path} (--conf)")
     raw = resolve_local(spec.dataset.location)
-    if spec_name == "digits" and not raw.exists():
-        from ballast.data.demo import write_digits
-
-        print(f"writing the digits demo data to {write_digits(raw)}")
+    if not raw.exists():
+        print(f"writing the {spec_name} example data to {write_example_data(spec_name, raw)}")
     t0 = time.monotonic()
-    migrate_db()
-    dr = run_dag(spec.dag_id, params)
+    storage = open_storage(spec.storage.uri, spec.storage.conn_id)
+    log_path = Path(os.environ["AIRFLOW_HOME"]) / "logs" / f"demo-{spec.name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    if verbose:
+        migrate_db()
+        dr = run_dag(spec.dag_id, params)
+    else:
+        from ballast.dev.demo_console import StageWatcher, output_to
+
+        print(f"running {spec.dag_id} through Airflow (dag.test); Airflow's full log: {log_path}")
+        runs = storage.local_path(f"runs/{spec.dag_id}")
+        with output_to(log_path) as console:
+            watcher = StageWatcher(runs, console, started=time.time()) if runs is not None else None
+            if watcher is not None:
+                watcher.start()
+            try:
+                migrate_db()
+                dr = run_dag(spec.dag_id, params)
+            finally:
+                if watcher is not None:
+                    watcher.stop()
     from ballast.pipeline.context import RunContext
 
     ctx = RunContext(spec=spec, dag_id=spec.dag_id, run_id=dr.run_id)
-    storage = open_storage(spec.storage.uri, spec.storage.conn_id)
     print()
     print(f"DAG run {dr.run_id}: {dr.state} in {time.monotonic() - t0:.0f}s (AIRFLOW_HOME={os.environ['AIRFLOW_HOME']})")
     if str(dr.state) != "success" or not storage.exists(ctx.report_key):
-        print(f"the run did not succeed; task logs are under {os.environ['AIRFLOW_HOME']}/logs", file=sys.stderr)
+        where = os.environ["AIRFLOW_HOME"] + "/logs" if verbose else log_path
+        print(f"the run did not succeed; see {where}", file=sys.stderr)
         return 1
     report = ctx.report()
     print(f"model:       {report.model}")
@@ -118,5 +147,7 @@ def run_demo(spec_name: str = "digits", conf: dict[str, str] | None = None) -> i
     t, tr = report.test, report.training
     print(f"final metric: test {t.metric} = {t.value:.4f} on {t.test_rows} held-out rows "
           f"({tr.epochs} epochs{', stopped early' if tr.stopped_early else ''})")
+    if not verbose:
+        print(f"Airflow's log: {log_path}")
     del root
     return 0

@@ -1,6 +1,8 @@
 """Stage 7: publish the evaluated model, its card and the run's report.
 
-Layout in storage: `models/<name>/<version>/model.pt` (tensors only), `model_card.json`, then the
+Layout in storage: `models/<name>/<version>/model.safetensors` (the weights as safetensors: loadable
+without Ballast and without unpickling anything), `model_card.json` (task, metrics, data, model name,
+options and the shapes it was built for, tokenizer), for a language model its `tokenizer.json`, then the
 `PUBLISHED` marker, and finally `models/<name>/LATEST` naming the version. A version without the
 marker is incomplete and must not be used. The run's report goes to `runs/<dag>/<run>/report.json`.
 """
@@ -15,6 +17,53 @@ from ballast.pipeline.context import RunContext, safe_run_id
 from ballast.records import PublishResult, RecoverySummary, RunReport, StageRecords, TrainingOutcome
 from ballast.recovery import history
 from ballast.storage import sha256_file
+
+WEIGHTS = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+
+
+def to_safetensors(src: Path, dest: Path, *, metadata: dict[str, str]) -> Path:
+    """The tensor file `src` (a checkpoint's model.pt, loaded without unpickling) as safetensors at
+    `dest`. Tensors that share memory (tied embeddings) are written each in full, so that a plain
+    `load_state_dict(load_file(dest))` restores them."""
+    from safetensors.torch import save_file
+
+    from ballast.training import checkpoint as ckpt
+
+    tensors = ckpt.load_tensors(src)
+    seen: set[int] = set()
+    out = {}
+    for name, value in tensors.items():
+        ptr = value.untyped_storage().data_ptr()
+        out[name] = value.detach().clone().contiguous() if ptr in seen else value.detach().contiguous()
+        seen.add(ptr)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.part")
+    save_file(out, str(tmp), metadata=metadata)
+    tmp.replace(dest)
+    return dest
+
+
+def _tokenizer(ctx: RunContext, conv) -> dict | None:
+    """A language model's tokenizer, as the card names it: the built-in bytes vocabulary, or the
+    tokenizer file the dataset was tokenized with (copied beside the weights as tokenizer.json)."""
+    if ctx.spec.training.task != "causal_lm":
+        return None
+    manifest = json.loads(ctx.storage.read_bytes(f"{conv.prefix}/manifest.json"))
+    info = dict(manifest.get("tokenizer") or {})
+    info.pop("token_bytes", None)
+    tok = ctx.spec.dataset.tokenizer
+    if tok is not None and getattr(tok, "file", None):
+        info.update(file=TOKENIZER, source_key=tok.file)
+    return info
+
+
+def _weights_file(ctx: RunContext, prefix: str) -> str:
+    """The weights' file name of an earlier published version (model.pt before safetensors)."""
+    try:
+        return json.loads(ctx.storage.read_bytes(f"{prefix}/model_card.json")).get("weights_file", "model.pt")
+    except (OSError, ValueError):
+        return WEIGHTS
 
 
 def run(ctx: RunContext) -> PublishResult:
@@ -31,19 +80,24 @@ def run(ctx: RunContext) -> PublishResult:
     recorded = ckpt.recorded_model(best)
     test = ev.scores()
     training = TrainingOutcome(epochs=train.epochs, steps=train.steps, stopped_early=train.stopped_early)
+    weights = ctx.work_dir / "publish" / WEIGHTS
+    to_safetensors(best / "model.pt", weights, metadata={"pipeline": spec.name, "version": version})
+    tokenizer = _tokenizer(ctx, conv)
     card = {
         "name": spec.name, "version": version, "dag_id": ctx.dag_id, "run_id": ctx.run_id,
         # What the checkpoint records about its model, not the spec (which may have been edited since).
-        "model": recorded["model"], "hidden_size": recorded.get("hidden_size"), "model_section": recorded,
-        "input": spec.dataset.features[0].model_dump(), "num_classes": recorded["num_classes"],
-        "test": test.model_dump(mode="json"),
-        "dataset_id": conv.dataset_id, "checkpoint": str(best), "checkpoint_step": ver.best.step,
+        "task": spec.training.task, "model": recorded, "model_section": recorded,
+        "inputs": [f.model_dump() for f in spec.dataset.features],
+        "metric": ev.metric, "test": test.model_dump(mode="json"),
+        "dataset_id": conv.dataset_id, "data_fingerprint": ctx.result("validate").input_fingerprint,
+        "checkpoint": str(best), "checkpoint_step": ver.best.step,
         # Checked by every reader of the published weights (`ballast.storage.models.weights`).
-        "weights_sha256": sha256_file(best / "model.pt"),
+        "weights_file": WEIGHTS, "weights_sha256": sha256_file(weights),
+        "tokenizer": tokenizer,
         "training": training.model_dump(mode="json"),
         "spec": spec.model_dump(mode="json"), "published": time.time(),
-        "load_with": "torch.load(path, weights_only=True) -> state_dict for"
-                     " training.models.build_configured_model(ModelConfig(**card['model_section']))",
+        "load_with": "safetensors.torch.load_file('model.safetensors') -> the state_dict of the model that the"
+                     " entry point `model.name` (group ballast.models) builds from model.options and model.data",
     }
     attempts = history.load_all(ctx)
     summary = RecoverySummary.of(attempts)
@@ -56,7 +110,9 @@ def run(ctx: RunContext) -> PublishResult:
     card["lineage"]["warm_started_from"] = train.warm_started_from
     publish, reason = _beats_published(ctx, ev)
     if publish:
-        ctx.storage.upload(best / "model.pt", f"{prefix}/model.pt")
+        ctx.storage.upload(weights, f"{prefix}/{WEIGHTS}")
+        if tokenizer and tokenizer.get("file"):
+            ctx.storage.write_bytes(f"{prefix}/{TOKENIZER}", ctx.storage.read_bytes(tokenizer["source_key"]))
         ctx.storage.write_bytes(f"{prefix}/model_card.json", json.dumps(card, indent=2).encode())
         ctx.storage.write_bytes(f"{prefix}/PUBLISHED", f"{version}\n".encode())
         ctx.storage.write_bytes(f"models/{spec.name}/LATEST", f"{version}\n".encode())
@@ -66,7 +122,7 @@ def run(ctx: RunContext) -> PublishResult:
 
     report = RunReport(
         pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id, published=publish,
-        model=ctx.storage.describe(f"{prefix}/model.pt"),
+        model=ctx.storage.describe(f"{prefix}/{WEIGHTS if publish else _weights_file(ctx, prefix)}"),
         model_card=ctx.storage.describe(f"{prefix}/model_card.json"),
         checkpoints=train.checkpoint_dir, test=test, training=training,
         stages=StageRecords(validate_=ctx.result("validate"), convert=conv, warm_cache=ctx.result("warm_cache"),

@@ -238,5 +238,6 @@ class _Warmer(threading.Thread):
 
 def _warmed_before(ctx: RunContext) -> str | None:
     """An earlier try or round started from a published model: training still descends from it."""
-    found = sorted((ctx.work_dir / "warm_start").glob("*.pt")) if (ctx.work_dir / "warm_start").is_dir() else []
+    where = ctx.work_dir / "warm_start"
+    found = sorted(p for p in where.iterdir() if p.suffix in (".safetensors", ".pt")) if where.is_dir() else []
     return found[-1].stem if found else None

@@ -1,5 +1,5 @@
-"""The published models of a pipeline: `models/<name>/<version>/` (model.pt, model_card.json, then
-PUBLISHED) and `models/<name>/LATEST` naming the newest version. Read by a warm start (the train task)
+"""The published models of a pipeline: `models/<name>/<version>/` (model.safetensors, model_card.json,
+then PUBLISHED; versions published before safetensors hold model.pt, a tensor-only torch file) and `models/<name>/LATEST` naming the newest version. Read by a warm start (the train task)
 and by `evaluation.publish: if_better` (the evaluate task scores the last published model on the same
 test split as the new one).
 
@@ -70,7 +70,11 @@ def latest(ctx: RunContext) -> Published | None:
 def weights(ctx: RunContext, published: Published, dest_dir: Path) -> Path:
     """The published model's weights under `dest_dir`: a cached copy whose sha256 matches the model
     card, or downloaded (into a file of this call's own) and checked before it takes the name."""
-    storage, key = ctx.storage, f"{published.prefix}/model.pt"
+    name = published.card.get("weights_file", "model.pt")
+    if name not in ("model.safetensors", "model.pt"):
+        raise DataError(f"{ctx.storage.describe(published.prefix + '/model_card.json')}: weights_file {str(name)[:80]!r}"
+                        f" is neither model.safetensors nor model.pt; publish the model again")
+    storage, key = ctx.storage, f"{published.prefix}/{name}"
     want = published.card.get("weights_sha256")
     if not isinstance(want, str) or not _SHA256.fullmatch(want):
         raise DataError(f"{storage.describe(published.prefix + '/model_card.json')}: no weights_sha256 (published"
@@ -78,7 +82,7 @@ def weights(ctx: RunContext, published: Published, dest_dir: Path) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
     if not VERSION.fullmatch(published.version):  # `latest` checked it; a Published made elsewhere is checked too
         raise BallastError(f"{published.prefix}: {published.version[:80]!r} is not one version name")
-    dest = dest_dir / f"{published.version}.pt"
+    dest = dest_dir / f"{published.version}{Path(name).suffix}"
     if dest.is_file() and sha256_file(dest) == want:
         return dest
     fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{dest.name}.", suffix=".part")
@@ -95,7 +99,8 @@ def weights(ctx: RunContext, published: Published, dest_dir: Path) -> Path:
 
 
 def load(path: Path, model_section: dict[str, Any]) -> Any:
-    """The model a published card describes, with its weights (loaded without unpickling)."""
+    """The model a published card describes, with its weights (safetensors, or an earlier version's
+    tensor-only model.pt: loaded without unpickling either way)."""
     from ballast.training import checkpoint as ckpt
     from ballast.training.config.run import ModelConfig
     from ballast.training.models import build_configured_model
