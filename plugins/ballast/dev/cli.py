@@ -49,15 +49,22 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from ballast.data.demo import write_digits, write_synthetic
+    from ballast.data import demo
     from ballast.storage import resolve_local
 
-    dest = resolve_local(args.dest or f"raw/{args.kind}")
+    dest = resolve_local(args.dest or f"raw/{args.name or args.kind}")
     if args.kind == "digits":
-        print(write_digits(dest))
-    else:
-        for p in write_synthetic(dest, rows=args.rows, seed=args.seed):
+        print(demo.write_digits(dest))
+    elif args.kind == "synthetic":
+        for p in demo.write_synthetic(dest, rows=args.rows or 100_000, seed=args.seed):
             print(p)
+    elif args.kind == "corpus":
+        print(demo.write_corpus(dest, max_mb=args.max_mb, repeat=args.repeat))
+    elif args.kind == "segmentation":
+        print(demo.write_segmentation(dest, rows=args.rows or 512, size=args.size or 32, three_d=args.three_d,
+                                      dtype=args.dtype, seed=args.seed))
+    else:
+        print(demo.write_regression(dest, rows=args.rows or 512, size=args.size or 16, seed=args.seed))
     return 0
 
 
@@ -115,10 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", help="write to this file instead of stdout")
     s.set_defaults(fn=cmd_schema)
 
-    s = sub.add_parser("data", help="write demo or synthetic raw data under BALLAST_HOME")
-    s.add_argument("kind", choices=["digits", "synthetic"])
-    s.add_argument("--dest", help="directory (default BALLAST_HOME/raw/<kind>)")
-    s.add_argument("--rows", type=int, default=100_000, help="rows of synthetic data")
+    s = sub.add_parser("data", help="write demo or synthetic raw data under BALLAST_HOME/raw/<name>")
+    s.add_argument("kind", choices=["digits", "synthetic", "corpus", "segmentation", "regression"],
+                   help="digits; synthetic (classification); corpus (the Python standard library's sources, one"
+                        " document per file); segmentation (shapes and masks; --3d for volumes); regression"
+                        " (a disc's area)")
+    s.add_argument("--dest", help="directory (default BALLAST_HOME/raw/<name>)")
+    s.add_argument("--name", help="directory name under BALLAST_HOME/raw (default: the kind)")
+    s.add_argument("--rows", type=int, help="rows (synthetic: 100000, segmentation and regression: 512)")
+    s.add_argument("--size", type=int, help="segmentation: image side (32); regression: 16")
+    s.add_argument("--3d", dest="three_d", action="store_true", help="segmentation: 3-D volumes [16, size, size]")
+    s.add_argument("--dtype", choices=["float32", "uint8"], default="float32", help="segmentation: image type")
+    s.add_argument("--max-mb", type=float, help="corpus: at most this many MB of text (default: all of it)")
+    s.add_argument("--repeat", type=int, default=1, help="corpus: write the documents this many times")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_data)
 
