@@ -88,12 +88,30 @@ factory.options_schema = {
 '''
 
 
-def install(root: Path) -> Path:
-    """Write the package under `root` (a sys.path entry); returns `root`."""
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_package() -> tuple[str, str]:
+    """The README's "Bring your own model" example: (its module's source, its entry-point line)."""
+    import re
+
+    text = README.read_text()
+    at = text.index("**Bring your own model.**")
+    toml = re.compile(r"```toml\n(.*?)```", re.S).search(text, at).group(1)
+    module = re.compile(r"```python\n(.*?)```", re.S).search(text, at).group(1)
+    line = re.search(r'^\[project\.entry-points\."ballast\.models"\]\n(.+)$', toml, re.M).group(1)
+    name, value = line.split("=", 1)
+    return module, f"{name.strip()} = {value.strip().strip(chr(34))}"
+
+
+def install(root: Path, *, readme: bool = False) -> Path:
+    """Write the package under `root` (a sys.path entry); returns `root`. `readme`: the README's own
+    example package instead of this module's (which covers every task)."""
+    module, entry = readme_package() if readme else (MODULE, f"{ENTRY_POINT} = {DIST}:factory")
     root.mkdir(parents=True, exist_ok=True)
-    (root / f"{DIST}.py").write_text(MODULE)
+    (root / f"{DIST}.py").write_text(module)
     info = root / f"{DIST}-0.1.0.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(f"[ballast.models]\n{ENTRY_POINT} = {DIST}:factory\n")
+    (info / "entry_points.txt").write_text(f"[ballast.models]\n{entry}\n")
     return root

@@ -21,10 +21,12 @@ from workload_data import stdlib_texts
 
 
 @pytest.fixture
-def team_site(tmp_path, monkeypatch):
-    """The team's package importable here and in every process the run starts."""
-    root = team_package.install(tmp_path / "site")
+def team_site(tmp_path, monkeypatch, request):
+    """The team's package importable here and in every process the run starts: for classification the
+    README's own example package, for the other tasks tests/team_package.py's."""
+    root = team_package.install(tmp_path / "site", readme=request.node.callspec.params["task"] == "classification")
     monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, team_package.DIST, raising=False)  # another test's version of it
     monkeypatch.setenv("PYTHONPATH", f"{root}:{':'.join(p for p in sys.path if p)}")
     return root
 
@@ -100,8 +102,9 @@ def test_a_team_model_from_its_own_package_trains_every_task_end_to_end(airflow_
     assert card["model"]["options"] == {"width": 16} and card["weights_file"] == "model.safetensors"
     from safetensors.torch import load_file
 
-    import team_models  # noqa: F401  (the team's module: the README's plain-PyTorch load)
+    import importlib
 
+    team_models = importlib.import_module(team_package.DIST)  # the README's plain-PyTorch load
     weights = load_file(str(ctx.storage.local_path(f"models/team_{task}/{card['version']}/model.safetensors")))
-    model = sys.modules["team_models"].factory(card["model"]["options"], card["model"]["data"])
+    model = team_models.factory(card["model"]["options"], card["model"]["data"])
     model.load_state_dict(weights)

@@ -86,7 +86,9 @@ def write_example_data(spec_name: str, dest: Path) -> Path:
     """The raw data an example spec of dags/specs reads, written where it expects it."""
     from ballast.data import demo
 
-    writers = {"digits": demo.write_digits}
+    writers = {"digits": demo.write_digits,
+               "lm": lambda dest: demo.write_corpus(dest, max_mb=4),
+               "segmentation": lambda dest: demo.write_segmentation(dest, rows=512, size=32)}
     if spec_name not in writers:
         raise SystemExit(f"{dest}: no raw data for the {spec_name} spec; write it first (ballast data --help)")
     return writers[spec_name](dest)
