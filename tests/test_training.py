@@ -87,12 +87,12 @@ def test_bad_run_config_exits_with_config_code_and_record(tmp_path, digits_cache
     cfg = run_config(spec, data_dir=digits_cache.cache_dir, data_format="petastorm",
                      checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "out"))
     data = cfg.model_dump(mode="json")
-    data["model"]["model"] = "resnet9000"  # past the spec's check: the trainer's own load refuses it too
+    data["model"]["name"] = "resnet9000"  # past the spec's check: the trainer's own load refuses it too
     cfg_path = tmp_path / "run.json"
     cfg_path.write_text(json.dumps(data))
     proc = subprocess.run([sys.executable, "-m", "ballast.training", "--config", str(cfg_path)], capture_output=True, text=True)
     assert proc.returncode == EXIT_CODES["config"]
-    assert "unknown model 'resnet9000'" in proc.stderr
+    assert "training.model.name: unknown model 'resnet9000'; registered: cnn, embed, gpt" in proc.stderr
 
 
 @pytest.mark.integration
