@@ -151,3 +151,28 @@ def test_split_parts_score_a_rank_share_in_batches():
     both = [split_parts(model, ops, x, y, device="cpu", batch=3, rank=r, world=2) for r in range(2)]
     assert both[0][0] == 5 and both[0][2] == sum(float(v) ** 2 for v in range(0, 10, 2))
     assert ops.scores([a + b for a, b in zip(*both)])["mae"] == pytest.approx(4.5)
+
+
+def test_every_rank_runs_the_same_number_of_forward_passes():
+    """A sharded (FSDP) model's forward is a collective: ranks with fewer rows still take part."""
+    import numpy as np
+    import torch
+
+    from ballast.training.tasks.ops import split_parts
+
+    calls = []
+
+    class Counting(torch.nn.Module):
+        def forward(self, x):
+            calls.append(len(x))
+            return x
+
+    ops = _ops("regression")
+    x, y = np.arange(7, dtype=np.float32), np.zeros(7, dtype=np.float32)
+    parts = []
+    for rank in range(3):  # 3, 2 and 2 rows; batches of 2: two passes each
+        calls.clear()
+        parts.append(split_parts(Counting(), ops, x, y, device="cpu", batch=2, rank=rank, world=3))
+        assert len(calls) == 2, rank
+    assert [p[0] for p in parts] == [3, 2, 2]  # the repeated row is not scored
+    assert ops.scores([sum(v) for v in zip(*parts)])["mae"] == pytest.approx(3.0)

@@ -194,19 +194,26 @@ def split_parts(model: Any, ops: TaskOps, features: Any, labels: Any, *, device:
                 rank: int = 0, world: int = 1) -> list[float]:
     """The summed metric parts of a model on this rank's share (rows rank, rank + world, ...) of a whole
     split held in numpy arrays (`features` an array or a dict of them; `labels` None for causal_lm),
-    scored `batch` rows at a time under no_grad."""
+    scored `batch` rows at a time under no_grad. Every rank runs the same number of forward passes (a
+    rank with fewer rows scores its first row again and discards it): a sharded model's forward is a
+    collective."""
     import numpy as np
     import torch
 
     total = rows(features)
     idx = np.arange(rank, total, world)
+    batch = max(1, batch)
+    passes = math.ceil(math.ceil(total / world) / batch) if total else 0
     summed = ops.empty_parts()
     with torch.no_grad():
-        for start in range(0, len(idx), max(1, batch)):
-            pick = idx[start:start + batch]
+        for step in range(passes):
+            pick = idx[step * batch:(step + 1) * batch]
+            keep = len(pick) > 0
+            pick = pick if keep else np.arange(min(1, total))
             x = as_tensors({k: v[pick] for k, v in features.items()} if isinstance(features, dict) else features[pick])
             y = None if labels is None else as_tensors(labels[pick])
             x, y = ops.prepare(to_device(x, device), to_device(y, device))
-            part = ops.parts(model(x), y)
-            summed = [a + b for a, b in zip(summed, part)]
+            output = model(x)
+            if keep:
+                summed = [a + b for a, b in zip(summed, ops.parts(output, y))]
     return summed
