@@ -139,3 +139,14 @@ def test_seq_len_belongs_to_causal_lm(tmp_path):
     d["training"]["seq_len"] = 128
     assert problems(d, tmp_path) == [
         "training.seq_len: only task causal_lm reads seq_len (the task is classification); remove it"]
+
+
+def test_the_json_schema_takes_a_plain_model_name_or_a_mapping():
+    from ballast.spec import json_schema
+
+    schema = json_schema()
+    model = schema["$defs"]["TrainingSpec"]["properties"]["model"]
+    assert [m.get("type") or m.get("$ref") for m in model["anyOf"]] == ["string", "#/$defs/ModelChoice"]
+    assert set(schema["$defs"]["ModelChoice"]["properties"]) == {"name", "options"}
+    assert schema["$defs"]["TrainingSpec"]["properties"]["task"]["enum"] == [
+        "classification", "causal_lm", "segmentation", "regression"]

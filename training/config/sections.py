@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from ballast.training.config import docstrings
 from ballast.training.models import OPTIMIZER_NAMES, registry
@@ -101,17 +101,17 @@ class ModelChoice(Section):
     """Handed to the model's factory as they are; checked against its options_schema, where it has one,
     by `ballast lint` and by every run before any data is read."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _plain_name(cls, v: object) -> object:
-        return {"name": v} if isinstance(v, str) else v
-
     @field_validator("name")
     @classmethod
     def _registered_name(cls, v: str) -> str:
         if v not in registry.names():  # entry-point metadata only: no model module is imported
             raise ValueError(registry.unknown(v))
         return v
+
+
+def _plain_model_name(v: object) -> object:
+    """`model: mlp` is `model: {name: mlp}`."""
+    return {"name": v} if isinstance(v, str) else v
 
 
 CLASSIC_MODELS = ("mlp", "cnn", "embed")
@@ -123,7 +123,7 @@ class ModelSettings(Section):
     """What is learned, which decides the loss, the metrics and the fields the dataset needs:
     classification (a class per row), causal_lm (next token of text), segmentation (a class per pixel or
     voxel), regression (float values)."""
-    model: ModelChoice
+    model: Annotated[ModelChoice, BeforeValidator(_plain_model_name, json_schema_input_type=ModelName | ModelChoice)]
     """The model: `{name: gpt, options: {layers: 4}}`, or a plain name (`mlp`)."""
     hidden_size: int = Field(128, ge=1, le=65536)
     """Width of the hidden layers of mlp, cnn and embed (their options' default)."""
