@@ -64,8 +64,9 @@ class TextTokenizer:
                 np.zeros(0, np.uint8)
             return raw.astype(np.int32), np.diff(offsets)
         encodings = self.hf.encode_batch(texts.to_pylist(), add_special_tokens=False)
-        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
-        ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int32, count=int(lengths.sum()))
+        arrays = [np.asarray(e.ids, dtype=np.int32) for e in encodings]  # one C-level copy per document
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
         return ids, lengths
 
 
