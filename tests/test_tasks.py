@@ -176,3 +176,17 @@ def test_every_rank_runs_the_same_number_of_forward_passes():
         assert len(calls) == 2, rank
     assert [p[0] for p in parts] == [3, 2, 2]  # the repeated row is not scored
     assert ops.scores([sum(v) for v in zip(*parts)])["mae"] == pytest.approx(3.0)
+
+
+def test_read_only_arrays_become_writable_tensors_without_a_warning(recwarn):
+    import numpy as np
+
+    from ballast.training.tasks.ops import as_tensors
+
+    frozen = np.arange(6, dtype=np.float32)
+    frozen.flags.writeable = False
+    shared = np.arange(3, dtype=np.int64)
+    out = as_tensors({"a": frozen, "b": shared})
+    out["a"][0] = 5.0  # a copy: the array is untouched
+    assert frozen[0] == 0 and out["b"].data_ptr() == shared.ctypes.data  # a writable one is shared
+    assert not [w for w in recwarn if "not writable" in str(w.message)]

@@ -42,15 +42,20 @@ def to_device(x: Batch, device: Any) -> Batch:
 
 
 def as_tensors(x: Any) -> Batch:
-    """numpy arrays (or a dict of them) as tensors, without copying."""
+    """numpy arrays (or a dict of them) as tensors, without copying what can be shared (a read-only
+    array, e.g. one over an Arrow buffer, is copied: a tensor may be written to)."""
     import numpy as np
     import torch
+
+    def one(a: Any) -> Any:
+        a = np.ascontiguousarray(a)
+        return torch.from_numpy(a if a.flags.writeable else a.copy())
 
     if x is None:
         return None
     if isinstance(x, dict):
-        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in x.items()}
-    return torch.from_numpy(np.ascontiguousarray(x))
+        return {k: one(v) for k, v in x.items()}
+    return one(x)
 
 
 def micro_batches(x: Batch, y: Any, size: int, count: int) -> Iterator[tuple[Batch, Any]]:

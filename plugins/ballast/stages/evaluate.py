@@ -79,7 +79,7 @@ def run(ctx: RunContext) -> EvaluateResult:
         with torch.no_grad():
             logits = torch.cat([model(task_ops.as_tensors(task_ops.take(test.features, i, i + EVAL_ROWS)))
                                 for i in range(0, len(test), EVAL_ROWS)])
-        per_class = task_ops.per_class_accuracy(logits, torch.from_numpy(test.labels))
+        per_class = task_ops.per_class_accuracy(logits, task_ops.as_tensors(test.labels))
     value = scores[ev.metric]
     history = ckpt.read_trainer_state(best)["history"]
     ok = None if ev.threshold is None else reaches(value, ev.threshold, mode=ev.mode)
