@@ -191,3 +191,20 @@ def test_hf_causal_lm_without_transformers_is_a_config_failure_naming_the_extra(
         assert model(torch.zeros(2, 12, dtype=torch.int64)).shape == (2, 12, 40)
     assert registry.check_options("hf_causal_lm", {}) == [
         "training.model.options: {} is not valid under any of the given schemas"]
+
+
+def test_a_checkpoint_of_a_tied_model_counts_its_parameters_once(tmp_path):
+    from ballast.stages.verify_checkpoint import describe, load_model
+    from ballast.training import checkpoint as ckpt
+
+    section = _section("gpt", {"layers": 1, "width": 16, "heads": 2}, LM_DATA)
+    model = build_configured_model(section)
+    w = ckpt.Writer(tmp_path, 5, rank=0, barrier=lambda: None)
+    w.begin()
+    w.write_tensors("model.pt", model.state_dict())
+    w.write_json("trainer.json", {"step": 5, "model": section.model_dump(mode="json")})
+    path = w.commit()
+    unique = sum(p.numel() for p in model.parameters())
+    assert describe(path).parameters == unique < sum(t.numel() for t in model.state_dict().values())
+    rebuilt, _ = load_model(path)
+    assert rebuilt.head.weight is rebuilt.embed.weight  # still tied after loading

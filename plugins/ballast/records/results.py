@@ -165,7 +165,7 @@ class CheckedCheckpoint(Record):
     files: int
     """Files its manifest lists (each verified by size and sha256)."""
     parameters: int
-    """Values in its model weights."""
+    """Parameters of its model (tied weights counted once)."""
 
 
 class VerifyResult(Record):

@@ -104,7 +104,9 @@ def describe(path: Path) -> CheckedCheckpoint:
 
     state = ckpt.read_trainer_state(path)
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
-    n_params = int(sum(t.numel() for t in ckpt.load_tensors(path / "model.pt").values()))
+    # The recorded model's parameters: tied weights (a language model's embedding and output layer), two
+    # entries of the weights file, count once.
+    n_params = int(sum(p.numel() for p in build_recorded(recorded_section(path)).parameters()))
     return CheckedCheckpoint(path=str(path), step=state["step"], files=len(manifest["files"]), parameters=n_params)
 
 
