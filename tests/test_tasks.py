@@ -190,3 +190,17 @@ def test_read_only_arrays_become_writable_tensors_without_a_warning(recwarn):
     out["a"][0] = 5.0  # a copy: the array is untouched
     assert frozen[0] == 0 and out["b"].data_ptr() == shared.ctypes.data  # a writable one is shared
     assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
+def test_the_packed_columns_must_be_the_ones_the_model_was_built_for():
+    from ballast.training.failure import DataFailure
+
+    lm = {"task": "causal_lm", "input_shape": [8], "seq_len": 8, "inputs": {"tokens": {"shape": [8], "dtype": "int64"}}}
+    manifest = {"columns": [{"name": "tokens", "dtype": "int32", "shape": [9], "codec": "ndarray", "role": "feature"}]}
+    tasks.check_columns(manifest, lm, ["tokens"], where="/cache")  # seq_len + 1 tokens per stored sequence
+    with pytest.raises(DataFailure, match=r"^/cache: feature 'tokens' has shape \[9\], the model expects \[17\];"
+                                          r" convert the dataset again for this spec$"):
+        tasks.check_columns(manifest, {**lm, "seq_len": 16}, ["tokens"], where="/cache")
+    cls = {"task": "classification", "input_shape": [8, 8], "inputs": {"image": {"shape": [8, 8], "dtype": "float32"}}}
+    with pytest.raises(DataFailure, match=r"^/cache: the dataset has no feature column 'image' \(it has tokens\)"):
+        tasks.check_columns(manifest, cls, ["image"], where="/cache")
