@@ -208,3 +208,19 @@ def test_a_checkpoint_of_a_tied_model_counts_its_parameters_once(tmp_path):
     assert describe(path).parameters == unique < sum(t.numel() for t in model.state_dict().values())
     rebuilt, _ = load_model(path)
     assert rebuilt.head.weight is rebuilt.embed.weight  # still tied after loading
+
+
+def test_a_run_checks_the_options_before_any_data_is_read(monkeypatch):
+    from ballast.pipeline.context import RunContext
+    from ballast.stages import validate
+
+    d = example_data()
+    d["dataset"]["location"] = "raw/nowhere-at-all"  # reading it would fail: the options are checked first
+    d["training"]["model"] = {"name": "mlp", "options": {"hidden_size": 0, "depth": 2}}
+    ctx = RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id="manual__options")
+    monkeypatch.setattr(validate, "raw_files", lambda ctx: pytest.fail("data read before the options were checked"))
+    with pytest.raises(SpecError) as err:
+        validate.run(ctx)
+    assert err.value.problems == ["digits: training.model.options.depth: unknown option; allowed: dropout,"
+                                  " hidden_size",
+                                  "digits: training.model.options.hidden_size: 0 is less than the minimum of 1"]
