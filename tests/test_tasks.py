@@ -24,7 +24,8 @@ def test_the_tables_are_the_contract():
     assert {t: tasks.default_metric(t) for t in tasks.TASKS} == {
         "classification": "accuracy", "causal_lm": "loss", "segmentation": "mean_iou", "regression": "rmse"}
     assert set(tasks.ALL_METRICS) == {m for ms in tasks.METRICS.values() for m in ms} == set(tasks.DIRECTION)
-    with pytest.raises(ValueError, match=r"'accuracy' is not a metric of task causal_lm \(loss, perplexity, bits_per_byte\)"):
+    with pytest.raises(ValueError,
+                       match=r"'accuracy' is not a metric of task causal_lm \(loss, perplexity, bits_per_byte\)"):
         tasks.metric_of("causal_lm", "accuracy")
     assert tasks.metric_of("segmentation", None) == "mean_iou"
 
@@ -111,7 +112,8 @@ def test_regression_rmse_mae_and_a_scalar_target_squeezed():
                                   __import__("torch").randint(0, 5, (30,), generator=g))),
     ("segmentation", lambda g: (__import__("torch").randn(30, 4, 3, 3, generator=g),
                                 __import__("torch").randint(0, 4, (30, 3, 3), generator=g))),
-    ("regression", lambda g: (__import__("torch").randn(30, 2, generator=g), __import__("torch").randn(30, 2, generator=g))),
+    ("regression", lambda g: (__import__("torch").randn(30, 2, generator=g),
+                              __import__("torch").randn(30, 2, generator=g))),
     ("causal_lm", lambda g: (__import__("torch").randn(30, 6, 7, generator=g),
                              __import__("torch").randint(0, 7, (30, 6), generator=g))),
 ])
@@ -133,7 +135,8 @@ def test_micro_batches_slice_tensors_and_dicts_alike():
 
     x = {"a": torch.arange(8).reshape(4, 2), "b": torch.arange(4)}
     parts = list(micro_batches(x, torch.arange(4) * 10, 2, 2))
-    assert [p[0]["b"].tolist() for p in parts] == [[0, 1], [2, 3]] and [p[1].tolist() for p in parts] == [[0, 10], [20, 30]]
+    assert [p[0]["b"].tolist() for p in parts] == [[0, 1], [2, 3]]
+    assert [p[1].tolist() for p in parts] == [[0, 10], [20, 30]]
     assert [p[1] for p in micro_batches(torch.zeros(4, 3), None, 1, 4)] == [None] * 4
     assert rows(x) == 4 and take(x, 1, 3)["a"].tolist() == [[2, 3], [4, 5]]
 

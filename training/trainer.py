@@ -33,7 +33,7 @@ from ballast.training.dataset.format import read_manifest
 from ballast.training.dataset.loader import EpochLoader
 from ballast.training.dataset.reader import Split, load_split
 from ballast.training.distributed import Distributed
-from ballast.training.failure import ConfigFailure, DataFailure, DivergenceFailure, Preempted, TrainingFailure
+from ballast.training.failure import ConfigFailure, DivergenceFailure, Preempted, TrainingFailure
 from ballast.training.faults import Injector, load_faults
 from ballast.training.preflight import run_checks, state_bytes
 from ballast.training.models import build_configured_model, build_optimizer

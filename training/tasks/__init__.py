@@ -62,7 +62,8 @@ def check_columns(manifest: dict, data: dict, features: list[str], *, where: str
     hold seq_len + 1 tokens."""
     from ballast.training.failure import DataFailure
 
-    columns = {c["name"]: list(c["shape"]) for c in manifest.get("columns", []) if c.get("role", "feature") == "feature"}
+    columns = {c["name"]: list(c["shape"]) for c in manifest.get("columns", [])
+               if c.get("role", "feature") == "feature"}
     inputs = data["inputs"]
     for name in features:
         want = [int(data["seq_len"]) + 1] if data["task"] == "causal_lm" else inputs.get(name, {}).get("shape")

@@ -178,8 +178,8 @@ class TaskOps:
             inter, pred, truth = parts[3:3 + c], parts[3 + c:3 + 2 * c], parts[3 + 2 * c:]
             ious = [i / (p + t - i) for i, p, t in zip(inter, pred, truth) if p + t - i > 0]
             dices = [2 * i / (p + t) for i, p, t in zip(inter, pred, truth) if p + t > 0]
-            return {"mean_iou": sum(ious) / len(ious) if ious else 0.0, "dice": sum(dices) / len(dices) if dices else 0.0,
-                    "loss": loss / max(pixels, 1.0), "samples": n}
+            return {"mean_iou": sum(ious) / len(ious) if ious else 0.0,
+                    "dice": sum(dices) / len(dices) if dices else 0.0, "loss": loss / max(pixels, 1.0), "samples": n}
         _, elements, sq, ab = parts
         e = max(elements, 1.0)
         return {"rmse": math.sqrt(sq / e), "mae": ab / e, "loss": sq / e, "samples": n}

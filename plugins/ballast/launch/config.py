@@ -69,8 +69,8 @@ def model_data(spec: Spec, manifest: dict[str, Any] | None = None) -> dict[str, 
     apply num_classes, vocab_size (from the manifest's tokenizer), seq_len and target_shape."""
     t, ds = spec.training, spec.dataset
     if t.task == "causal_lm":
-        data: dict[str, Any] = {"task": t.task, "input_shape": [t.seq_len], "input_dtype": "int64", "seq_len": t.seq_len,
-                                "inputs": {TOKENS: {"shape": [t.seq_len], "dtype": "int64"}}}
+        data: dict[str, Any] = {"task": t.task, "input_shape": [t.seq_len], "input_dtype": "int64",
+                                "seq_len": t.seq_len, "inputs": {TOKENS: {"shape": [t.seq_len], "dtype": "int64"}}}
         vocab = ((manifest or {}).get("tokenizer") or {}).get("vocab_size")
         if vocab:
             data["vocab_size"] = int(vocab)

@@ -51,7 +51,8 @@ def _baseline(ctx: RunContext, test, task) -> tuple[HeldOutScores | None, str | 
     model = registry.load(registry.weights(ctx, published, ctx.work_dir / "baseline"), published.model_section)
     scores = test_scores(model, task, test)
     ev = ctx.spec.evaluation
-    ctx.log.info("published model %s on the same test split: %s = %.4f", published.version, ev.metric, scores[ev.metric])
+    ctx.log.info("published model %s on the same test split: %s = %.4f", published.version, ev.metric,
+                 scores[ev.metric])
     return HeldOutScores.of(task=task.task, metric=ev.metric, scores=scores, test_rows=len(test)), published.version
 
 
