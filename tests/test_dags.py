@@ -127,12 +127,15 @@ def test_parsing_imports_no_heavy_module():
         "import sys, json\n"
         "from airflow.dag_processing.dagbag import DagBag\n"
         f"bag = DagBag({str(ROOT / 'dags')!r})\n"
-        "heavy = ('torch','great_expectations','petastorm','pyspark','boto3','kubernetes','tfrecord','cv2','sklearn')\n"
+        "heavy = ('torch','great_expectations','petastorm','pyspark','boto3','kubernetes','tfrecord','cv2','sklearn',"
+        " 'transformers','tokenizers','safetensors','ballast.training.models.classic',"
+        " 'ballast.training.models.gpt','ballast.training.models.unet','ballast.training.models.hf')\n"
         "print(json.dumps({'dags': list(bag.dags), 'heavy': [m for m in heavy if m in sys.modules]}))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"dags": ["ballast_digits"], "heavy": []}
+    # (jsonschema, which checks a model's options, is no budget of ours: airflow.sdk imports it itself.)
+    assert sorted(result["dags"]) == ["ballast_digits", "ballast_lm", "ballast_segmentation"] and result["heavy"] == []
 
 
 @pytest.mark.integration
