@@ -129,6 +129,10 @@ def test_metric_and_mode_against_the_task(tmp_path):
         "evaluation.mode: metric 'perplexity' improves when it goes min; set mode: min or leave mode out"]
     d["evaluation"] = {"metric": "bits_per_byte"}
     assert parse_spec(d).evaluation.mode == "min"
+    d["dataset"] = {"location": "raw/ids", "fields": [{"name": "ids", "type": "int32", "shape": [1000]}]}
+    assert problems(d, tmp_path) == [
+        "evaluation.metric: bits_per_byte needs the bytes each token stands for, which only a text dataset's tokenizer"
+        " gives (dataset.text); use loss or perplexity for pre-tokenized ids"]
 
 
 def test_seq_len_belongs_to_causal_lm(tmp_path):

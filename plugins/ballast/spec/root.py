@@ -78,6 +78,10 @@ class Spec(Section):
             metric_of(self.training.task, self.evaluation.metric)
         except ValueError as exc:
             problems.append((("evaluation", "metric"), str(exc)))
+        if self.evaluation.metric == "bits_per_byte" and self.dataset.text is None:
+            problems.append((("evaluation", "metric"), "bits_per_byte needs the bytes each token stands for, which only"
+                                                       " a text dataset's tokenizer gives (dataset.text); use loss or"
+                                                       " perplexity for pre-tokenized ids"))
         if problems:
             raise ValidationError.from_exception_data("Spec", [
                 InitErrorDetails(type=PydanticCustomError("value_error", "{error}", {"error": msg}), loc=loc,
