@@ -416,3 +416,22 @@ def test_airflow_lists_the_plugin_from_its_entry_point(airflow_db):
     ours = [p for p in plugins if p["name"] == "ballast"]
     assert len(ours) == 1, [p["name"] for p in plugins]
     assert "ballast.ui.plugin" in json.dumps(ours[0])
+
+
+@pytest.mark.unit
+def test_the_validation_curve_is_the_tasks_metric_epoch_by_epoch(tmp_path):
+    from ballast.ui.summary import run_summary
+
+    _records(tmp_path)
+    epochs = [{"event": "epoch", "time": 1100.0 + k, "step": 10 * (k + 1), "rank": 0, "epoch": k,
+               "loss": 3.0 - k, "perplexity": 20.0 - 5 * k, "bits_per_byte": 2.0} for k in range(3)]
+    epochs.append({**epochs[1], "perplexity": 14.0})  # epoch 1 again after a resume: the last one stands
+    with (tmp_path / PREFIX / "train" / "metrics.jsonl").open("a") as f:
+        f.write("\n".join(json.dumps(e) for e in epochs) + "\n")
+    spec = {"evaluation": {"metric": "perplexity", "mode": "min"}, "training": {"task": "causal_lm"}}
+    _write(tmp_path, "spec.json", {"spec_file": "lm.yaml", "run_id": RUN, "parameters_given": {},
+                                   "parameters_applied": {}, "spec": spec})
+    s = run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)
+    assert s["validation_curve"] == {"metric": "perplexity", "epoch": [1, 2, 3], "values": [20.0, 14.0, 10.0]}
+    (tmp_path / PREFIX / "spec.json").unlink()
+    assert run_summary(FileStorage(tmp_path), "ballast_demo", RUN, now=1300.0)["validation_curve"] is None

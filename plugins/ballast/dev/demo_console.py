@@ -115,9 +115,9 @@ class StageWatcher(threading.Thread):
                 e = json.loads(line)
             except ValueError:
                 continue
-            if e.get("kind") == "epoch":
+            if e.get("event") == "epoch" and e.get("rank", 0) == 0:
                 scores = ", ".join(f"{k} {v:.4f}" for k, v in e.items()
-                                   if isinstance(v, float) and k not in ("time", "lr", "samples"))
+                                   if isinstance(v, float) and k not in ("time", "lr", "samples", "step"))
                 self.say(f"        train epoch {e.get('epoch', 0) + 1}: validation {scores}")
 
     def say(self, line: str) -> None:

@@ -76,6 +76,7 @@ def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None
         "tries": _tries(history),
         "checkpoints": _checkpoints(storage, prefix, verify),
         "curves": _curves(events),
+        "validation_curve": _validation_curve(events, spec_data),
         "step_time": _step_time(events),
         "progress": _progress(events, heartbeat, history, convert, spec_data, train, now=now, finished=finished),
         "stage_progress": [] if finished else _stage_progress(r, convert, warm, now=now),
@@ -202,6 +203,22 @@ def _curves(events: list[dict]) -> dict[str, Any]:
             "grad_norm": col("grad_norm"), "learning_rate": col("lr"), "loss_scale": col("loss_scale"),
             "spikes": sorted(spikes.values(), key=lambda m: m["step"]), "points": len(steps), "shown": len(pts),
             "resumes": [e["step"] for e in events if e.get("event") == "resume"]}
+
+
+def _validation_curve(events: list[dict], spec: dict | None) -> dict[str, Any] | None:
+    """The spec's evaluation metric on the validation split, epoch by epoch (the task's metric: accuracy,
+    perplexity, mean IoU, RMSE...), from the trainer's epoch events; None before the first epoch."""
+    metric = _section(spec, "evaluation").get("metric")
+    if not isinstance(metric, str):
+        return None
+    seen: dict[int, float | None] = {}
+    for e in events:
+        if e.get("event") == "epoch" and isinstance(e.get("epoch"), int):
+            seen[e["epoch"]] = _finite(e.get(metric))  # a resumed epoch logged twice: the last one stands
+    if not seen:
+        return None
+    epochs = sorted(seen)[-MAX_POINTS:]
+    return {"metric": metric, "epoch": [k + 1 for k in epochs], "values": [seen[k] for k in epochs]}
 
 
 def _step_time(events: list[dict]) -> dict[str, Any] | None:

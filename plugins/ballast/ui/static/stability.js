@@ -147,6 +147,8 @@
       charts.append(chart("gradient norm", cv.step, [{ label: "grad norm", values: cv.grad_norm, color: "#2f855a" }]));
       if (cv.learning_rate.some((x) => x !== null)) charts.append(chart("learning rate", cv.step, [{ label: "lr", values: cv.learning_rate, color: "#805ad5" }]));
       if (cv.loss_scale.some((x) => x !== null)) charts.append(chart("loss scale", cv.step, [{ label: "loss scale", values: cv.loss_scale, color: "#dd6b20" }], { log: true }));
+      const vc = d.validation_curve;
+      if (vc && vc.epoch.length) charts.append(chart("validation " + vc.metric, vc.epoch, [{ label: vc.metric, values: vc.values, points: true, color: "#2b6cb0" }], { xlabel: "epoch" }));
     } else {
       charts.append(el("p", { class: "muted" }, "No training steps logged yet."));
     }
