@@ -154,3 +154,16 @@ def test_the_json_schema_takes_a_plain_model_name_or_a_mapping():
     assert set(schema["$defs"]["ModelChoice"]["properties"]) == {"name", "options"}
     assert schema["$defs"]["TrainingSpec"]["properties"]["task"]["enum"] == [
         "classification", "causal_lm", "segmentation", "regression"]
+
+
+def test_a_run_parameter_changing_the_metric_takes_its_direction():
+    from ballast.spec import apply_overrides
+
+    d = example_data()
+    d["overridable"] = [*d.get("overridable", []), "evaluation.metric"]
+    spec = parse_spec(d)
+    assert (spec.evaluation.metric, spec.evaluation.mode) == ("accuracy", "max")
+    changed = apply_overrides(spec, {"metric": "loss"})
+    assert (changed.evaluation.metric, changed.evaluation.mode) == ("loss", "min")
+    with pytest.raises(SpecError, match=r"evaluation\.metric: 'perplexity' is not a metric of task classification"):
+        apply_overrides(spec, {"metric": "perplexity"})

@@ -121,6 +121,9 @@ def apply_overrides(spec: Any, overrides: dict[str, Any], *, source: str = "run 
         for part in head:
             node = node[part]
         node[last] = value
+    paths = {by_name[name] for name in overrides}
+    if "evaluation.metric" in paths and "evaluation.mode" not in paths:
+        data["evaluation"]["mode"] = None  # the new metric's own direction (Spec resolves it)
     try:
         return type(spec).model_validate(data)
     except ValidationError as exc:
