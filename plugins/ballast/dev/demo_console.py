@@ -50,7 +50,7 @@ class StageWatcher(threading.Thread):
     def __init__(self, runs_dir: Path, console: TextIO, *, started: float, every: float = 10.0):
         super().__init__(name="demo-console", daemon=True)
         self.runs_dir, self.console, self.started, self.every = runs_dir, console, started, every
-        self._stop = threading.Event()
+        self._done = threading.Event()
         self._seen: set[str] = set()
         self._last_progress: dict[str, float] = {}
         self._events_at = 0
@@ -58,12 +58,12 @@ class StageWatcher(threading.Thread):
         self.run_dir: Path | None = None
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join(timeout=5)
         self.poll()  # what finished in the last interval
 
     def run(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._done.wait(1.0):
             try:
                 self.poll()
             except (OSError, ValueError):
