@@ -236,7 +236,7 @@ def bench_read(*, samples: int = 20_000, repeat: int = 3, workers: int = 2, batc
         for start in range(0, samples, 2000):
             for i, v in enumerate(enc.encode(imgs[start:start + 2000]).to_pylist()):
                 (per / f"{start + i:07d}.png").write_bytes(v)
-        decoder = Decoder(manifest["feature"])
+        decoder = Decoder(manifest["columns"][0])
         rates: dict[str, list[float]] = {"petastorm": [], "tfrecord": [], "per_sample_files": []}
         for _ in range(repeat):
             rates["petastorm"].append(_packed_rate(cache, "petastorm", workers, batch))
