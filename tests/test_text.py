@@ -101,6 +101,9 @@ def _lm(tmp_path: Path, **kw):
      r"validation\.rules\[1\]: rule 'duplicate_share' needs max"),
     ("text_length_without_bounds", lambda d: d["validation"]["rules"][0].update(min=None, max=None),
      r"validation\.rules\[0\]: rule 'text_length' needs min, max or both"),
+    ("text_rule_on_another_field", lambda d: (d["dataset"]["fields"].append({"name": "n", "type": "int64"}),
+                                               d["validation"]["rules"][0].update(field="n")),
+     r"validation\.rules\[0\]\.column: rule 'text_length' checks the text column \(dataset\.text: 'text'\), not 'n'"),
     ("field_and_column", lambda d: d["validation"]["rules"][0].update(column="text"),
      r"validation\.rules\[0\]: give `column` or `field`, not both"),
 ])

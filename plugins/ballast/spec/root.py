@@ -17,7 +17,7 @@ from ballast.spec.notifications import NotificationsSpec
 from ballast.spec.overrides import resolve_field
 from ballast.spec.recovery import RecoverySpec
 from ballast.spec.training import EvaluationSpec, TrainingSpec
-from ballast.spec.validation import ValidationSpec
+from ballast.spec.validation import TEXT_RULES, ValidationSpec
 from ballast.training.config.sections import Section, resolve_early_stop
 from ballast.training.tasks import DEFAULT_TASK, metric_of
 
@@ -95,6 +95,9 @@ class Spec(Section):
             if rule.column is not None and rule.column not in names:
                 raise ValueError(f"validation.rules[{i}].column: {rule.column!r} is not a dataset field"
                                  f" ({', '.join(sorted(names))})")
+            if rule.kind in TEXT_RULES and rule.column != self.dataset.text:
+                raise ValueError(f"validation.rules[{i}].column: rule {rule.kind!r} checks the text column"
+                                 f" (dataset.text: {self.dataset.text!r}), not {rule.column!r}")
         fmt = self.training.data_format
         if fmt is not None and fmt not in self.conversion.formats:
             raise ValueError(f"training.data_format: {fmt!r} is not among conversion.formats"
