@@ -80,6 +80,7 @@ class StageWatcher(threading.Thread):
         run = self._find_run()
         if run is None:
             return
+        self._epochs(run)  # before the stage records: train's last epoch comes before its "done" line
         stages = run / "stages"
         records = sorted(stages.glob("*.json"), key=lambda p: p.stat().st_mtime) if stages.is_dir() else []
         for path in records:
@@ -99,7 +100,6 @@ class StageWatcher(threading.Thread):
             eta = f", ETA {p['eta_seconds']:.0f}s" if p.get("eta_seconds") is not None else ""
             self.say(f"        {p['what']}: {p['done']:,}/{p['total']:,} {p['unit']}"
                      f" ({100 * p['done'] / p['total']:.0f}%, {p['rate_per_second']:,.0f} {p['unit']}/s{eta})")
-        self._epochs(run)
 
     def _epochs(self, run: Path) -> None:
         events = run / "train" / "metrics.jsonl"
