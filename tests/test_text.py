@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from ballast.data.packing import SPLITS, split_codes
 from ballast.data.progress import progress_key
 from ballast.data.text import SequenceCutter, byte_tokenizer, file_tokenizer
 from ballast.errors import DataError, SpecError
@@ -242,3 +243,29 @@ def test_conversion_memory_does_not_grow_with_the_corpus(tmp_path):
     grown_mb = (peaks[6]["rss_kb"] - peaks[1]["rss_kb"]) / 1024
     assert peaks[6]["rows"]["train"] > 5 * peaks[1]["rows"]["train"]
     assert peaks[6]["rss_kb"] <= 1.2 * peaks[1]["rss_kb"], (peaks, text_mb, grown_mb)
+
+
+@pytest.mark.integration
+def test_a_quarantined_document_is_kept_aside_with_its_text_and_left_out_of_the_sequences(tmp_path):
+    import pyarrow.parquet as pq
+
+    texts = corpus_texts(80)
+    texts[7] = ""
+    ctx = make_ctx(tmp_path, write_texts(tmp_path / "raw" / "part-0.parquet", texts),
+                   lambda d: (text_edit(tmp_path / "raw")(d),
+                              d["validation"].update(on_failure="quarantine", max_bad_fraction=0.05)))
+    out = run_chain(ctx, validate, convert)
+    q = out["validate"].quarantine
+    assert q is not None and q.rows == 1
+    kept = pq.read_table(ctx.storage.local_path(q.file)).to_pylist()
+    assert kept == [{"text": "", "_row": 7, "_failed": "expect_column_values_to_be_between(text__len)"}]
+    # the other documents keep their row ids, so their splits; row 7 is simply not there
+    codes = split_codes(np.arange(len(texts)), validation=0.1, test=0.1, seed=3)
+    got = _split_tokens(ctx, out["convert"], "petastorm")
+    for k, split in enumerate(SPLITS):
+        stream: list[int] = []
+        for i in np.flatnonzero(codes == k):
+            if i != 7:
+                stream += ([BYTE_EOT] if stream else []) + list(texts[i].encode())
+        rows = len(stream) // (SEQ + 1)
+        assert np.array_equal(got[split], np.asarray(stream[:rows * (SEQ + 1)]).reshape(rows, SEQ + 1)), split

@@ -58,13 +58,14 @@ def fingerprint_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def read_table(paths: list[Path], dataset: DatasetSpec) -> Any:
-    """Read the raw files into one Arrow table holding exactly the spec's fields; DataError names the file."""
+def read_table(paths: list[Path], dataset: DatasetSpec, skip: tuple[str, ...] = ()) -> Any:
+    """Read the raw files into one Arrow table holding exactly the spec's fields (but `skip`: a text
+    column, streamed by text_stats_of instead); DataError names the file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     tables = []
-    columns = [f.name for f in dataset.fields]
+    columns = [f.name for f in dataset.fields if f.name not in skip]
     for p in paths:
         try:
             schema = pq.read_schema(p)
@@ -128,8 +129,9 @@ def array_values(table: Any, f: FieldSpec) -> tuple[Any, Any]:
     return values.astype(np.float64, copy=False) if values.dtype != np.float64 else values, lengths
 
 
-def check_frame(table: Any, dataset: DatasetSpec) -> tuple[Any, dict[str, int]]:
-    """A pandas frame for validation: scalar columns as they are, array columns as derived columns."""
+def check_frame(table: Any, dataset: DatasetSpec, text: tuple[Any, Any] | None = None) -> tuple[Any, dict[str, int]]:
+    """A pandas frame for validation: scalar columns as they are, array columns as derived columns, the
+    text column as its derived columns (`text`: text_stats_of's, when the table does not hold it)."""
     import numpy as np
     import pandas as pd
 
@@ -137,7 +139,8 @@ def check_frame(table: Any, dataset: DatasetSpec) -> tuple[Any, dict[str, int]]:
     arrays: dict[str, int] = {}
     for f in dataset.fields:
         if f.name == dataset.text:
-            data[f"{f.name}__len"], data[f"{f.name}__dup"] = text_stats(table.column(f.name))
+            lengths, dup = text if text is not None else text_stats(table.column(f.name))
+            data[f"{f.name}__len"], data[f"{f.name}__dup"] = lengths, dup
             continue
         if not f.shape:
             data[f.name] = table.column(f.name).to_pandas()
@@ -165,6 +168,53 @@ def check_frame(table: Any, dataset: DatasetSpec) -> tuple[Any, dict[str, int]]:
         data[f"{f.name}__max"] = maxs
         data[f"{f.name}__finite"] = finite
     return pd.DataFrame(data), arrays
+
+
+def text_stats_of(paths: list[Path], column: str, batch_rows: int = 1024) -> tuple[Any, Any]:
+    """text_stats of a text column read a batch at a time, never the whole corpus: lengths in characters
+    (NaN for null) and whether a document repeats an earlier one (by a 16-byte BLAKE2b of its text)."""
+    import hashlib
+
+    import numpy as np
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    lengths, dup, seen = [], [], set()
+    for p in paths:
+        try:
+            for batch in pq.ParquetFile(p).iter_batches(batch_size=batch_rows, columns=[column]):
+                col = batch.column(0)
+                lengths.append(pc.utf8_length(col).to_numpy(zero_copy_only=False).astype(np.float64))
+                flags = np.zeros(len(col), dtype=bool)
+                for i, text in enumerate(col.to_pylist()):
+                    if text is None:
+                        continue
+                    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+                    flags[i] = digest in seen
+                    seen.add(digest)
+                dup.append(flags)
+        except Exception as exc:  # truncated files surface here, mid-read
+            raise DataError(f"{p}: cannot read {column!r} ({exc})") from exc
+    if not lengths:
+        return np.zeros(0), np.zeros(0, dtype=bool)
+    return np.concatenate(lengths), np.concatenate(dup)
+
+
+def text_rows(paths: list[Path], column: str, rows: Any, batch_rows: int = 1024) -> Any:
+    """The text of the given global rows (sorted int64), read a batch at a time: an Arrow string array."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out, start = [], 0
+    for p in paths:
+        for batch in pq.ParquetFile(p).iter_batches(batch_size=batch_rows, columns=[column]):
+            ids = np.arange(start, start + batch.num_rows)
+            start += batch.num_rows
+            keep = np.isin(ids, rows)
+            if keep.any():
+                out.append(batch.column(0).filter(pa.array(keep)))
+    return pa.concat_arrays(out) if out else pa.array([], pa.string())
 
 
 def text_stats(column: Any) -> tuple[Any, Any]:

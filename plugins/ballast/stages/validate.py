@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ballast.pipeline.context import RunContext
 from ballast.errors import DataError, SpecError
-from ballast.data.raw import check_frame, fingerprint_files, raw_files, read_table
+from ballast.data.raw import check_frame, fingerprint_files, raw_files, read_table, text_rows, text_stats_of
 from ballast.records import Quarantine, ValidateResult
 from ballast.spec import RuleSpec
 from ballast.spec.validation import TEXT_RULES
@@ -76,14 +76,17 @@ def run(ctx: RunContext) -> ValidateResult:
         tok = load_tokenizer(ctx)  # a missing or unreadable tokenizer fails before any data is read
         ctx.log.info("tokenizer: %s (vocabulary %d, end-of-text id %d)", tok.describe, tok.vocab_size, tok.eot_id)
     files = raw_files(ctx)
-    table = read_table(files, ctx.spec.dataset)
-    frame, arrays = check_frame(table, ctx.spec.dataset)
-    ctx.log.info("validating %d rows from %d file(s) with %d rules", table.num_rows, len(files), len(rules))
+    text = ctx.spec.dataset.text
+    # A text column is streamed into its derived columns, never held whole (a corpus may be large).
+    table = read_table(files, ctx.spec.dataset, skip=(text,) if text else ())
+    frame, arrays = check_frame(table, ctx.spec.dataset, text_stats_of(files, text) if text else None)
+    n_rows = len(frame)
+    ctx.log.info("validating %d rows from %d file(s) with %d rules", n_rows, len(files), len(rules))
     quarantine = v.on_failure == "quarantine"
     report = data_checks.run(frame, rules, array_columns=arrays, name=ctx.spec.name, row_indices=quarantine,
                              text_columns=[ctx.spec.dataset.text] if ctx.spec.dataset.text else [])
     result = ValidateResult(
-        rows=table.num_rows,
+        rows=n_rows,
         files=[str(p) for p in files],
         input_fingerprint=fingerprint_files(files),
         expectations=report.evaluated,
@@ -92,7 +95,7 @@ def run(ctx: RunContext) -> ValidateResult:
         seconds=round(time.monotonic() - t0, 3),
     )
     if report.success:
-        ctx.log.info("all %d expectations passed on %d rows", report.evaluated, table.num_rows)
+        ctx.log.info("all %d expectations passed on %d rows", report.evaluated, n_rows)
         return result
     for f in report.failures:
         ctx.log.error("expectation failed: %s", f.line())
@@ -105,10 +108,10 @@ def run(ctx: RunContext) -> ValidateResult:
         ctx.save_result("validate", result)
         raise DataError(f"{where}: table-level expectations failed, which quarantining rows cannot fix: "
                         + "; ".join(f.line() for f in table_level))
-    return result.model_copy(update={"quarantine": _quarantine(ctx, table, report, result)})
+    return result.model_copy(update={"quarantine": _quarantine(ctx, table, report, result, files)})
 
 
-def _quarantine(ctx: RunContext, table, report, result: ValidateResult) -> Quarantine:
+def _quarantine(ctx: RunContext, table, report, result: ValidateResult, files: list[Path]) -> Quarantine:
     """Set the failing rows aside in a quarantine file; fail if there are more than allowed."""
     import io
 
@@ -123,12 +126,17 @@ def _quarantine(ctx: RunContext, table, report, result: ValidateResult) -> Quara
         for i in f.rows or ():
             reasons.setdefault(i, []).append(label)
     bad = np.array(sorted(reasons), dtype=np.int64)
-    fraction = len(bad) / max(table.num_rows, 1)
+    total = result.rows
+    fraction = len(bad) / max(total, 1)
     if fraction > v.max_bad_fraction:
         ctx.save_result("validate", result)
-        raise DataError(f"validation.max_bad_fraction: {len(bad)} of {table.num_rows} rows ({fraction:.2%}) fail"
+        raise DataError(f"validation.max_bad_fraction: {len(bad)} of {total} rows ({fraction:.2%}) fail"
                         f" expectations, more than the {v.max_bad_fraction:.2%} allowed; {report.summary()}")
-    rows = table.take(pa.array(bad))
+    text = ctx.spec.dataset.text
+    rows = table.take(pa.array(bad)) if table.num_columns else pa.table({})
+    if text:  # the text column was streamed, not held: its failing rows are read back alone
+        rows = rows.append_column(text, text_rows(files, text, bad)) if rows.num_columns else \
+            pa.table({text: text_rows(files, text, bad)})
     rows = rows.append_column("_row", pa.array(bad)).append_column(
         "_failed", pa.array(["; ".join(reasons[int(i)]) for i in bad]))
     buf = io.BytesIO()
@@ -139,7 +147,7 @@ def _quarantine(ctx: RunContext, table, report, result: ValidateResult) -> Quara
     ctx.storage.write_bytes(f"{prefix}/row_ids.npy", ids.getvalue())
     ctx.storage.write_bytes(f"{prefix}/rows.parquet", buf.getvalue())
     ctx.log.warning("quarantined %d of %d rows (%.2f%%, limit %.2f%%) into %s; the other rows go on", len(bad),
-                    table.num_rows, 100 * fraction, 100 * v.max_bad_fraction,
+                    total, 100 * fraction, 100 * v.max_bad_fraction,
                     ctx.storage.describe(f"{prefix}/rows.parquet"))
     return Quarantine(rows=int(len(bad)), fraction=round(fraction, 6), file=f"{prefix}/rows.parquet",
                       row_ids_key=f"{prefix}/row_ids.npy")
