@@ -31,10 +31,10 @@ class Split:
 
     features: Features           # (N, *shape) per feature column
     labels: np.ndarray | None    # (N, *label shape), or None when the dataset has no label (causal_lm)
-    rows: int = 0
 
     def __len__(self) -> int:
-        return self.rows
+        first = next(iter(self.features.values())) if isinstance(self.features, dict) else self.features
+        return len(first)
 
 
 class Decoder:
@@ -188,4 +188,4 @@ def load_split(data_dir: Path, split: str, *, fmt: str, num_classes: int | None 
     classes = num_classes or manifest.get("num_classes")
     if y is not None and classes and decoder.label.is_integer and y.size and (y.min() < 0 or y.max() >= classes):
         raise DataFailure(f"{data_dir}: labels outside [0, {classes}) in split {split!r}")
-    return Split(x, y, sum(b.rows for b in blocks))
+    return Split(x, y)
