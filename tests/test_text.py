@@ -269,3 +269,5 @@ def test_a_quarantined_document_is_kept_aside_with_its_text_and_left_out_of_the_
                 stream += ([BYTE_EOT] if stream else []) + list(texts[i].encode())
         rows = len(stream) // (SEQ + 1)
         assert np.array_equal(got[split], np.asarray(stream[:rows * (SEQ + 1)]).reshape(rows, SEQ + 1)), split
+    progress = json.loads(ctx.storage.read_bytes(progress_key(ctx.run_key, "convert")))
+    assert progress["done"] == progress["total"] == len(texts) and progress["finished"]  # quarantined ones too

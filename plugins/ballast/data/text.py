@@ -253,6 +253,7 @@ def convert_text(chunks: list, spec: Any, bad_rows: Any, staging: Path, tokenize
         shard_no[split] += 1
 
     for chunk in chunks:
+        done = 0
         for ids, texts in text_slices(chunk, ds.text, conv.read_batch_rows, bad_rows):
             codes = split_codes(ids, validation=ds.split.validation, test=ds.split.test, seed=ds.split.seed)
             for k, split in enumerate(SPLITS):
@@ -263,8 +264,11 @@ def convert_text(chunks: list, spec: Any, bad_rows: Any, staging: Path, tokenize
                     for rows in cutters[split].add(tokens, lengths):
                         write(split, rows)
             text_bytes += int(pc.sum(pc.binary_length(texts)).as_py() or 0)
+            done += len(ids)
             if progress:
                 progress.add(len(ids))
+        if progress and chunk.rows > done:  # the chunk's quarantined documents count as done too
+            progress.add(chunk.rows - done)
     for split in SPLITS:
         for rows in cutters[split].finish():
             write(split, rows)

@@ -85,6 +85,7 @@ def convert_arrow(chunks, spec, bad_rows, staging: Path, progress: Progress | No
             counts[split] = rest
 
     for chunk in chunks:
+        done = 0
         for ids, values in read_chunk(chunk, ds, conv.read_batch_rows, drop=bad_rows):
             codes = split_codes(ids, validation=ds.split.validation, test=ds.split.test, seed=ds.split.seed)
             encoded = {e.layout.name: e.encode(values[e.layout.name]) for e in encoders}
@@ -95,8 +96,11 @@ def convert_arrow(chunks, spec, bad_rows, staging: Path, progress: Progress | No
                     pending[split].append({k: v.take(take) for k, v in encoded.items()})
                     counts[split] += sel.size
                     cut(split, final=False)
+            done += len(ids)
             if progress:
                 progress.add(len(ids))
+        if progress and chunk.rows > done:  # the chunk's quarantined rows count as done too
+            progress.add(chunk.rows - done)
     for split in SPLITS:
         cut(split, final=True)
     return entries
