@@ -110,15 +110,25 @@ class StageWatcher(threading.Thread):
             chunk = f.read()
         end = chunk.rfind(b"\n") + 1
         self._events_at += end
+        last_step = None
         for line in chunk[:end].splitlines():
             try:
                 e = json.loads(line)
             except ValueError:
                 continue
+            if e.get("event") == "step" and e.get("rank", 0) == 0:
+                last_step = e
             if e.get("event") == "epoch" and e.get("rank", 0) == 0:
                 scores = ", ".join(f"{k} {v:.4f}" for k, v in e.items()
                                    if isinstance(v, float) and k not in ("time", "lr", "samples", "step"))
                 self.say(f"        train epoch {e.get('epoch', 0) + 1}: validation {scores}")
+                last_step = None
+        now = time.monotonic()
+        if last_step is not None and now - self._last_progress.get("train", 0) >= self.every:
+            self._last_progress["train"] = now
+            loss = last_step.get("loss")
+            self.say(f"        train: step {last_step.get('step')}, epoch {last_step.get('epoch', 0) + 1}"
+                     + (f", loss {loss:.4f}" if isinstance(loss, float) else ""))
 
     def say(self, line: str) -> None:
         self.console.write(line + "\n")
@@ -137,7 +147,8 @@ def _summary(path: Path) -> str:
     if stage == "convert":
         return f"{'reused ' if r.get('reused') else ''}dataset {r.get('dataset_id')}: {r.get('rows')}"
     if stage == "train":
-        return f"{r.get('epochs')} epochs, {r.get('steps')} steps" + (", stopped early" if r.get("stopped_early") else "")
+        early = ", stopped early" if r.get("stopped_early") else ""
+        return f"{r.get('epochs')} epochs, {r.get('steps')} steps{early}"
     if stage == "evaluate":
         return f"test {r.get('metric')} {r.get('value', float('nan')):.4f}"
     if stage == "publish":
