@@ -53,6 +53,7 @@ class StageWatcher(threading.Thread):
         self._done = threading.Event()
         self._seen: set[str] = set()
         self._last_progress: dict[str, float] = {}
+        self._shown: dict[str, object] = {}
         self._events_at = 0
         self._last = time.monotonic()
         self.run_dir: Path | None = None
@@ -94,8 +95,9 @@ class StageWatcher(threading.Thread):
             if path.stem in self._seen or time.monotonic() - self._last_progress.get(path.stem, 0) < self.every:
                 continue
             p = json.loads(path.read_text())
-            if p.get("finished") or not p.get("total"):
-                continue
+            if p.get("finished") or not p.get("total") or self._shown.get(path.stem) == p.get("done"):
+                continue  # done, empty, or no further than the line already printed
+            self._shown[path.stem] = p.get("done")
             self._last_progress[path.stem] = time.monotonic()
             eta = f", ETA {p['eta_seconds']:.0f}s" if p.get("eta_seconds") is not None else ""
             self.say(f"        {p['what']}: {p['done']:,}/{p['total']:,} {p['unit']}"
@@ -124,7 +126,9 @@ class StageWatcher(threading.Thread):
                 self.say(f"        train epoch {e.get('epoch', 0) + 1}: validation {scores}")
                 last_step = None
         now = time.monotonic()
-        if last_step is not None and now - self._last_progress.get("train", 0) >= self.every:
+        if last_step is not None and now - self._last_progress.get("train", 0) >= self.every \
+                and self._shown.get("train") != last_step.get("step"):
+            self._shown["train"] = last_step.get("step")
             self._last_progress["train"] = now
             loss = last_step.get("loss")
             self.say(f"        train: step {last_step.get('step')}, epoch {last_step.get('epoch', 0) + 1}"
