@@ -107,7 +107,7 @@ def bench_training(root: Path, *, repeat: int = 3, epochs: int = 1) -> dict[str,
     from ballast.bench.train_runtime import _free_port_block, _torchrun
     from ballast.training.outputs import read_summary
 
-    raw = write_corpus(root / "raw", stdlib_corpus(3_000_000))
+    raw = write_corpus(root / "raw", stdlib_corpus(1_000_000))
     spec = lm_spec(root, raw, epochs=epochs)
     cache, manifest = _prepare(root, spec)
     ours, plain = [], []
