@@ -75,3 +75,38 @@ def test_token_sequences_come_as_int64_without_a_target(tmp_path, fmt):
     planned = Counter(r.tobytes() for r in train)
     seen = Counter(r.numpy().tobytes() for r in torch.cat([x0, x1]))
     assert not seen - planned and sum(seen.values()) > 0.9 * len(train)  # ranks read disjoint planned rows
+
+
+def test_pre_tokenized_ids_without_a_label_are_packed_and_read_as_they_are(tmp_path):
+    """causal_lm on an integer array column of token ids (no text, no label): one int32 feature column."""
+    import json
+
+    from ballast.training.dataset.reader import load_split
+    from datasets import rows_by_split
+
+    ids = np.random.default_rng(2).integers(0, 50_000, size=(300, 33)).astype(np.int32)
+    raw = write_columns(tmp_path / "raw" / "part-0.parquet", {"ids": ids})
+
+    def edit(d):
+        d["dataset"] = {"location": str(tmp_path / "raw"), "fields": [{"name": "ids", "type": "int32", "shape": [33]}],
+                        "split": {"validation": 0.1, "test": 0.1, "seed": 3}}
+        d["validation"] = {"rules": []}
+        d["training"].update(task="causal_lm", model={"name": "gpt", "options": {"layers": 1, "width": 32, "heads": 2}},
+                             seq_len=32)
+        d["training"].pop("hidden_size", None)
+        for key in ("metric", "mode", "threshold"):
+            d["evaluation"].pop(key, None)
+
+    ctx = make_ctx(tmp_path, raw, edit)
+    out = run_chain(ctx, validate, convert)["convert"]
+    root = Path(ctx.storage.local_path(out.prefix))
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["columns"] == [{"name": "ids", "dtype": "int32", "shape": [33], "codec": "ndarray",
+                                    "role": "feature"}] and "tokenizer" not in manifest
+    want = rows_by_split({"ids": ids})
+    for fmt in ("petastorm", "tfrecord"):
+        got = load_split(root, "train", fmt=fmt)
+        assert got.labels is None and got.features.dtype == np.int64
+        assert np.array_equal(got.features, want["train"]["ids"])
+    x, y, _ = _collect(root, "petastorm", workers=2)
+    assert y is None and x.dtype.is_floating_point is False and x.shape[1] == 33
