@@ -4,8 +4,8 @@ Ballast writes Petastorm's format without Petastorm (ballast.data.petastorm_form
 through its own encoder; these tests read the demo dataset's every split back with Petastorm 0.13.1
 (`make_reader` and `make_batch_reader`) and with TensorFlow's parser, each in an environment of its
 own pinned the way that reader needs (tests/readers.py), and with Spark here, and compare with the raw
-rows: values and labels, exactly. A language model's token sequences and a segmentation set (images
-and masks) are read back the same way.
+rows: values and labels, exactly. A language model's token sequences, a segmentation set (images
+and masks) and a set of scalar columns (a float64 feature, a float32 label) are read back the same way.
 """
 
 from __future__ import annotations
@@ -258,13 +258,33 @@ def segmentation_dataset(tmp_path_factory):
     return Path(ctx.storage.local_path(out.prefix)), rows_by_split(columns)
 
 
+@pytest.fixture(scope="module")
+def scalar_dataset(tmp_path_factory):
+    """Two array features, a float64 scalar feature and a float32 scalar label converted by the pipeline:
+    (its directory, the raw rows of each split)."""
+    from datasets import regression_edit, regression_raw, rows_by_split, write_columns
+
+    tmp = tmp_path_factory.mktemp("scalars")
+    columns = regression_raw(240)
+    columns["w"] = np.random.default_rng(9).normal(size=240) * 1e-300  # float64 only: a float32 would be 0
+    raw = write_columns(tmp / "raw" / "part-0.parquet", columns)
+
+    def edit(d):
+        regression_edit(tmp / "raw")(d)
+        d["dataset"]["fields"].insert(2, {"name": "w", "type": "float64"})
+
+    ctx = make_ctx(tmp, raw, edit)
+    out = run_chain(ctx, validate, convert)["convert"]
+    return Path(ctx.storage.local_path(out.prefix)), rows_by_split(columns)
+
+
 def _split_arrays(npz: Path, split: str) -> dict[str, np.ndarray]:
     with np.load(npz, allow_pickle=False) as got:
         return {k.split("__", 1)[1]: got[k] for k in got.files if k.startswith(f"{split}__")}
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("which", ["token_dataset", "segmentation_dataset"])
+@pytest.mark.parametrize("which", ["token_dataset", "segmentation_dataset", "scalar_dataset"])
 def test_petastorm_reads_token_and_segmentation_datasets_exactly(which, request, tmp_path):
     root, want = request.getfixturevalue(which)
     out = tmp_path / "petastorm.npz"
@@ -274,7 +294,7 @@ def test_petastorm_reads_token_and_segmentation_datasets_exactly(which, request,
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("which", ["token_dataset", "segmentation_dataset"])
+@pytest.mark.parametrize("which", ["token_dataset", "segmentation_dataset", "scalar_dataset"])
 def test_tensorflow_reads_token_and_segmentation_datasets_exactly(which, request, tmp_path):
     root, want = request.getfixturevalue(which)
     recipe = tmp_path / "recipe.py"
