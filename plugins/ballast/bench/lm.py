@@ -160,6 +160,7 @@ def bench_tokenization(root: Path, *, mb: float = 8.0, repeat: int = 3) -> dict[
     """The pipeline's tokenization of a corpus against `tokenizers`' own batch encode, same file."""
     from tokenizers import Tokenizer
 
+    root.mkdir(parents=True, exist_ok=True)
     docs = stdlib_corpus(int(mb * 1e6))
     size = sum(len(d.encode()) for d in docs) / 1e6
     path = train_tokenizer(docs[: max(1, len(docs) // 10)], root / "tokenizer.json")
@@ -185,7 +186,7 @@ CONVERT_CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 from ballast.bench.lm import _prepare, lm_spec
-root, raw = Path(sys.argv[1]), Path(sys.argv[2])
+root, raw, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 spec = lm_spec(root, raw)
 from ballast.pipeline.context import RunContext
 from ballast.stages import convert, validate
@@ -193,8 +194,8 @@ ctx = RunContext(spec=spec, dag_id="bench_lm", run_id="rss")
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 for m in (validate, convert):
     ctx.save_result(m.__name__.rsplit(".", 1)[-1], m.run(ctx))
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "rows": ctx.result("convert").rows}))
+out.write_text(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                           "rows": ctx.result("convert").rows}))
 """
 
 
@@ -202,13 +203,19 @@ def bench_conversion_memory(root: Path, *, mb: float = 4.0) -> dict[str, Any]:
     """Peak RSS of validate + convert (tokenize and pack) on 1x and 10x the corpus, a process each."""
     docs = stdlib_corpus(int(mb * 1e6))
     out = {}
+    # A script file, not `python -c`: pyspark 4.3 (imported by Great Expectations) ends a process whose
+    # __main__ has no file with exit status 0 when Spark Connect's extras are missing.
+    child = root / "convert_child.py"
+    root.mkdir(parents=True, exist_ok=True)
+    child.write_text(CONVERT_CHILD)
     for copies in (1, 10):
         raw = write_corpus(root / f"raw-{copies}x", docs, copies=copies)
-        proc = subprocess.run([sys.executable, "-c", CONVERT_CHILD, str(root / f"conv-{copies}x"), str(raw)],
+        result = root / f"conv-{copies}x.json"
+        proc = subprocess.run([sys.executable, str(child), str(root / f"conv-{copies}x"), str(raw), str(result)],
                               capture_output=True, text=True, timeout=3600)
-        if proc.returncode != 0:
+        if proc.returncode != 0 or not result.is_file():
             raise RuntimeError(f"conversion of {copies}x the corpus failed:\n{proc.stderr[-3000:]}")
-        out[f"{copies}x"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[f"{copies}x"] = json.loads(result.read_text())
     return {"corpus_mb": round(sum(len(d.encode()) for d in docs) / 1e6, 2), "runs": out,
             "ratio": out["10x"]["peak_rss_mb"] / out["1x"]["peak_rss_mb"]}
 
@@ -216,9 +223,9 @@ def bench_conversion_memory(root: Path, *, mb: float = 4.0) -> dict[str, Any]:
 def bench_lm(*, repeat: int = 3) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ballast-bench-lm-") as tmp:
         root = Path(tmp)
-        training = bench_training(root / "train", repeat=repeat)
         tokenization = bench_tokenization(root / "tok", repeat=repeat)
         memory = bench_conversion_memory(root / "rss")
+        training = bench_training(root / "train", repeat=repeat)
     return {
         "benchmark": "lm", "training": training, "tokenization": tokenization, "conversion_memory": memory,
         "targets": {
