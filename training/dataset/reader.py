@@ -49,7 +49,7 @@ class Decoder:
 
     def decode(self, values: list[bytes] | np.ndarray | Any, where: str) -> np.ndarray:
         if self.codec == "scalar":
-            return np.asarray(values).astype(self.layout.decoded_dtype, copy=False)
+            return np.array(values, dtype=self.layout.decoded_dtype)  # a writable copy, not a view of Arrow's buffer
         if self.codec == "ndarray":
             return decode_tensors(self.layout, values, where, self.header)
         return decode_images(self.layout, values, where)
