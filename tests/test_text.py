@@ -271,3 +271,16 @@ def test_a_quarantined_document_is_kept_aside_with_its_text_and_left_out_of_the_
         assert np.array_equal(got[split], np.asarray(stream[:rows * (SEQ + 1)]).reshape(rows, SEQ + 1)), split
     progress = json.loads(ctx.storage.read_bytes(progress_key(ctx.run_key, "convert")))
     assert progress["done"] == progress["total"] == len(texts) and progress["finished"]  # quarantined ones too
+
+
+@pytest.mark.unit
+def test_token_bytes_of_a_tokenizer_that_is_not_byte_level_come_from_decoding_each_id():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "</s>": 1, "naïve": 2, "数据": 3, "x": 4}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["</s>"])
+    tok = file_tokenizer(hf.to_str().encode(), "words.json")
+    assert tok.eot_id == 1 and tok.token_bytes[1] == 0  # </s> found as the end-of-text, a special token
+    assert tok.token_bytes[2:] == [len("naïve".encode()), len("数据".encode()), 1]
