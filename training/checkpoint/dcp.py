@@ -136,6 +136,11 @@ def average_into(model: Any, paths: list[Path], *, group: Any) -> None:
     set_model_state_dict(model, buf)
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
+
+
 def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -176,15 +181,26 @@ def check(path: Path) -> None:
     if pickled:
         raise CheckpointFailure(f"{path / DCP_METADATA}: holds pickled values ({', '.join(pickled[:3])}); a Ballast"
                                 " checkpoint holds tensors only, refusing to unpickle")
-    files: dict[str, set[str]] = {}
+    files: dict[str, set[str]] = {}  # tensor -> the shard files holding its pieces
+    piece_file = {}  # (tensor, offsets of a piece) -> the shard file holding it
     for index, info in meta.storage_data.items():
         files.setdefault(index.fqn, set()).add(info.relative_path)
+        piece_file[(index.fqn, tuple(index.offset))] = info.relative_path
     for batch in _tensor_batches(meta):
-        dcp.load(batch, storage_reader=_reader(path), no_dist=True)
+        try:
+            dcp.load(batch, storage_reader=_reader(path), no_dist=True)
+        except CheckpointFailure:
+            raise
+        except Exception as exc:  # DCP's CheckpointException wraps what the reader raised (a damaged record)
+            names = ", ".join(sorted({f for fqn in batch for f in files.get(fqn, ())}))
+            raise CheckpointFailure(f"{path}: cannot read the shards {names} through DCP"
+                                    f" ({_first_line(exc)})") from exc
         for fqn, t in batch.items():
             if not torch.isfinite(t).all():
-                where = ", ".join(str(path / f) for f in sorted(files.get(fqn, ())))
-                raise CheckpointFailure(f"{where}: non-finite values in {fqn}")
+                bad = sorted({piece_file.get((fqn, tuple(c.offsets)), "?")
+                              for c in meta.state_dict_metadata[fqn].chunks
+                              if not torch.isfinite(t[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))]).all()})
+                raise CheckpointFailure(f"{', '.join(str(path / f) for f in bad)}: non-finite values in {fqn}")
 
 
 def model_weights(path: Path) -> dict[str, Any]:
