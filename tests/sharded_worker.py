@@ -16,11 +16,10 @@ import sys
 
 def main() -> None:
     import torch
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
     from ballast.training.checkpoint import dcp
     from ballast.training.config import RunConfig
     from ballast.training.trainer import Trainer
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     cfg, mode = RunConfig.load(sys.argv[1]), sys.argv[2]
     t = Trainer(cfg)

@@ -120,3 +120,23 @@ def test_activation_checkpointing_recomputes_blocks_and_keeps_gradients_and_name
     assert list(again.state_dict()) == names
     for (name, a), b in zip(plain.named_parameters(), again.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_activation_checkpointing_travels_from_the_spec_to_the_run_config():
+    from helpers import example_data
+
+    from ballast.errors import SpecError
+    from ballast.launch.config import run_config
+    from ballast.spec import json_schema, parse_spec
+
+    field = json_schema()["$defs"]["TrainingSpec"]["properties"]["activation_checkpointing"]
+    assert (field["type"], field["default"]) == ("boolean", False)
+    d = example_data()
+    d["training"].update(parallelism="fsdp", activation_checkpointing=True)
+    cfg = run_config(parse_spec(d), data_dir="/d", data_format="tfrecord", checkpoint_dir="/c", output_dir="/o")
+    assert cfg.distributed.activation_checkpointing is True
+    assert run_config(parse_spec(example_data()), data_dir="/d", data_format="tfrecord", checkpoint_dir="/c",
+                      output_dir="/o").distributed.activation_checkpointing is False
+    d["training"]["activation_checkpointing"] = "sometimes"
+    with pytest.raises(SpecError, match=r"training\.activation_checkpointing"):
+        parse_spec(d)

@@ -13,23 +13,34 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import torchrun
-from test_lm import lm_cache, lm_config  # noqa: F401  (lm_cache: the module-scoped data fixture)
-
 from ballast.training import checkpoint as ckpt
 from ballast.training.checkpoint import dcp, gate
 from ballast.training.failure import CheckpointFailure
+from helpers import torchrun
+from test_lm import lm_config, lm_spec, write_corpus
 
 pytestmark = pytest.mark.integration
 WORKER = Path(__file__).with_name("sharded_worker.py")
 FSDP = {"distributed.parallelism": "fsdp", "checkpoint.every_steps": 4, "checkpoint.keep_last": 2}
 
 
+@pytest.fixture(scope="module")
+def lm_cache(tmp_path_factory):
+    """test_lm's language-model data (a small text corpus, byte tokens), validated, converted and cached."""
+    from ballast.stages import convert, validate, warm_cache
+    from helpers import make_ctx, run_chain, warm_cache_rest
+
+    tmp = tmp_path_factory.mktemp("lm")
+    raw = write_corpus(tmp / "raw")
+    ctx = make_ctx(tmp, raw, lambda d: lm_spec(d, raw))
+    return ctx, run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
+
+
 def _train(tmp: Path, lm, procs: int, *, changes: dict | None = None, restarts: int = 0) -> subprocess.CompletedProcess:
     ctx, cache = lm
     cfg = lm_config(tmp, ctx, cache, changes={**FSDP, **(changes or {})}, procs=procs)
     run = subprocess.run(torchrun(cfg, "--standalone", f"--nproc-per-node={procs}", f"--max-restarts={restarts}"),
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return run
 
@@ -40,7 +51,7 @@ def _worker(tmp: Path, lm, procs: int, *args: str) -> subprocess.CompletedProces
     cfg = lm_config(tmp, ctx, cache, changes=FSDP, procs=procs)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
             str(WORKER), str(cfg), *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
 
 
 def _saved(path: Path) -> tuple[dict, dict]:
@@ -76,8 +87,8 @@ def _assert_equal(a: dict, b: dict, what: str) -> None:
     import torch
 
     assert a.keys() == b.keys(), f"{what}: {sorted(a.keys() ^ b.keys())[:5]}"
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k].reshape(a[k].shape)), f"{what}: {k} differs"
+    for k, v in a.items():
+        assert v.dtype == b[k].dtype and torch.equal(v, b[k].reshape(v.shape)), f"{what}: {k} differs"
 
 
 @pytest.mark.parametrize("procs,other", [(2, 4), (4, 2)])
@@ -97,6 +108,10 @@ def test_each_rank_writes_its_shards_and_a_resume_at_another_world_size_reshards
     assert sorted(held) == shards and sum(held.values()) == total
     assert max(held.values()) < 1.1 * total / procs, (held, total)
     gate.check(path)
+    # The orchestrator's stages rebuild the model from the shards (verify_checkpoint's probe, evaluate).
+    from ballast.stages.verify_checkpoint import load_model
+
+    _assert_equal(model, {k: v for k, v in load_model(path)[0].state_dict().items()}, "rebuilt model")
     # Another world size: every rank reads its new pieces; gathered (here only) they are what was saved.
     done = _worker(tmp_path, lm_cache, other, "dump", str(tmp_path / "restored.pt"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -179,7 +194,7 @@ def test_resume_from_the_mean_of_the_last_sharded_checkpoints(tmp_path, lm_cache
     lm_config(tmp_path, ctx, cache, changes={**FSDP, "checkpoint.keep_last": 3, "checkpoint.resume_average_last": 3})
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER),
             str(tmp_path / "run.json"), "dump", str(tmp_path / "restored.pt")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming from the average of 3 checkpoints" in done.stdout
     restored = torch.load(tmp_path / "restored.pt", weights_only=True)["model"]
@@ -187,3 +202,10 @@ def test_resume_from_the_mean_of_the_last_sharded_checkpoints(tmp_path, lm_cache
         mean = (torch.stack([m[k].double() for m in models]).mean(0)).to(v.dtype)
         assert torch.allclose(v, mean, rtol=0, atol=1e-6), k
     assert any(not torch.equal(restored[k], models[-1][k]) for k in restored)  # not just the newest
+    # The export CLI reads sharded checkpoints too (the mean model in one file is what it exports).
+    from ballast.training.checkpoint.average import main
+
+    assert main([str(tmp_path / "ckpt"), "--last", "3", "--out", str(tmp_path / "mean.pt")]) == 0
+    exported = torch.load(tmp_path / "mean.pt", weights_only=True)
+    for k, v in exported.items():
+        assert torch.allclose(v, restored[k], rtol=0, atol=1e-6), k

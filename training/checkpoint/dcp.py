@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.training.checkpoint.commit import DCP_METADATA
+from ballast.training.checkpoint.fileio import load_tensors
 from ballast.training.failure import CheckpointFailure
 
 MODEL, OPTIM = "model", "optim"
@@ -204,9 +205,13 @@ def check(path: Path) -> None:
 
 
 def model_weights(path: Path) -> dict[str, Any]:
-    """The whole model's weights from a sharded checkpoint, in this one process: only for the
-    verification gate's probe (a forward pass needs the model), never in training."""
+    """The whole model's weights of a checkpoint in this one process: its model.pt, or a sharded one's
+    model pieces read through DCP. For the orchestrator's stages that need the model (the gate's probe,
+    evaluation, publishing), never in training."""
     import torch
+
+    if (Path(path) / "model.pt").is_file() or not (Path(path) / DCP_METADATA).is_file():
+        return load_tensors(Path(path) / "model.pt")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
