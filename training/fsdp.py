@@ -11,7 +11,8 @@ with them. Importing this module does not import torch.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def model_blocks(model: Any) -> list[Any] | None:
