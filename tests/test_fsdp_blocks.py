@@ -1,13 +1,15 @@
 """FSDP2 per block (ballast.training.fsdp): the built-in models name their blocks, each block and the root
 become FSDP units, a model without `ballast_blocks()` is wrapped whole with a warning in the log, the
-bf16 mixed-precision policy, and activation checkpointing that changes no gradient. In one process: a
-world-1 gloo group on an in-memory store (no process is started)."""
+bf16 mixed-precision policy, activation checkpointing that changes no gradient, the spec field reaching
+the run config; and the sharded checkpoint's safety in one process (DCP's `.metadata` unpickled with
+DCP's own classes only, pickled values and non-finite pieces refused). In one process: a world-1 gloo
+group on an in-memory store, or DCP without a process group (no process is started)."""
 
 from __future__ import annotations
 
 import pytest
 from ballast.training import fsdp
-from ballast.training.failure import ConfigFailure
+from ballast.training.failure import CheckpointFailure, ConfigFailure
 from ballast.training.models import build_configured_model
 
 pytestmark = pytest.mark.unit
@@ -140,3 +142,43 @@ def test_activation_checkpointing_travels_from_the_spec_to_the_run_config():
     d["training"]["activation_checkpointing"] = "sometimes"
     with pytest.raises(SpecError, match=r"training\.activation_checkpointing"):
         parse_spec(d)
+
+
+def test_a_dcp_checkpoints_metadata_is_unpickled_with_dcps_own_classes_only(tmp_path):
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp_api
+
+    from ballast.training.checkpoint import dcp
+
+    dcp_api.save({"model": {"w": torch.ones(3)}}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    assert "model.w" in dcp.metadata(tmp_path / "ok").state_dict_metadata
+    dcp.check(tmp_path / "ok")  # finite tensors only: passes
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointFailure, match=r"evil/\.metadata: not a DCP checkpoint's metadata \(UnpicklingError:"
+                                                r" builtins\.print is not part of a DCP checkpoint's metadata\)"):
+        dcp.metadata(tmp_path / "evil")
+
+
+def test_the_gate_refuses_a_dcp_checkpoint_holding_pickled_values(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp_api
+
+    from ballast.training.checkpoint import dcp
+
+    dcp_api.save({"model": {"w": torch.ones(3)}, "extra": {"note": "a string DCP pickles"}},
+                 checkpoint_id=str(tmp_path), no_dist=True)
+    with pytest.raises(CheckpointFailure, match=r"\.metadata: holds pickled values \(extra\.note\); a Ballast"
+                                                r" checkpoint holds tensors only, refusing to unpickle"):
+        dcp.check(tmp_path)
+    dcp_api.save({"model": {"w": torch.tensor([1.0, float("inf")])}}, checkpoint_id=str(tmp_path / "inf"),
+                 no_dist=True)
+    with pytest.raises(CheckpointFailure, match=r"inf/__0_0\.distcp: non-finite values in model\.w"):
+        dcp.check(tmp_path / "inf")

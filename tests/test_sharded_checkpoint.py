@@ -209,3 +209,19 @@ def test_resume_from_the_mean_of_the_last_sharded_checkpoints(tmp_path, lm_cache
     exported = torch.load(tmp_path / "mean.pt", weights_only=True)
     for k, v in exported.items():
         assert torch.allclose(v, restored[k], rtol=0, atol=1e-6), k
+
+
+def test_bf16_with_activation_checkpointing_trains_sharded_and_resumes(tmp_path, lm_cache):
+    """FSDP's bf16 mixed-precision policy and per-block activation checkpointing, under torchrun: the
+    sharded parameters and optimizer state stay fp32, and a second run resumes from the shards."""
+    import torch
+
+    opts = {"numerics.precision": "bf16", "distributed.activation_checkpointing": True}
+    _train(tmp_path, lm_cache, 2, changes={**opts, "rehearsal.max_steps": 5})
+    first = ckpt.committed(tmp_path / "ckpt")[-1]
+    model, optim = _saved(first)
+    assert {v.dtype for v in model.values()} == {torch.float32} and optim
+    gate.check(first)
+    again = _train(tmp_path, lm_cache, 2, changes={**opts, "rehearsal.max_steps": 8})
+    assert f"resumed from {first}" in again.stdout
+    assert ckpt.committed(tmp_path / "ckpt")[-1].name == "step-00000008"
