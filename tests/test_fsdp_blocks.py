@@ -125,11 +125,10 @@ def test_activation_checkpointing_recomputes_blocks_and_keeps_gradients_and_name
 
 
 def test_activation_checkpointing_travels_from_the_spec_to_the_run_config():
-    from helpers import example_data
-
     from ballast.errors import SpecError
     from ballast.launch.config import run_config
     from ballast.spec import json_schema, parse_spec
+    from helpers import example_data
 
     field = json_schema()["$defs"]["TrainingSpec"]["properties"]["activation_checkpointing"]
     assert (field["type"], field["default"]) == ("boolean", False)
@@ -149,7 +148,6 @@ def test_a_dcp_checkpoints_metadata_is_unpickled_with_dcps_own_classes_only(tmp_
 
     import torch
     import torch.distributed.checkpoint as dcp_api
-
     from ballast.training.checkpoint import dcp
 
     dcp_api.save({"model": {"w": torch.ones(3)}}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
@@ -170,7 +168,6 @@ def test_a_dcp_checkpoints_metadata_is_unpickled_with_dcps_own_classes_only(tmp_
 def test_the_gate_refuses_a_dcp_checkpoint_holding_pickled_values(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp_api
-
     from ballast.training.checkpoint import dcp
 
     dcp_api.save({"model": {"w": torch.ones(3)}, "extra": {"note": "a string DCP pickles"}},
