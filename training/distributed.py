@@ -81,15 +81,18 @@ class Distributed:
 
             dist.destroy_process_group()
 
-    def parallelize(self, model: Any) -> Any:
-        """DDP (optionally with gradient compression) or FSDP over the process group; as is alone."""
-        if not self.enabled:
-            return model
-        d = self.cfg
-        if d.parallelism == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+    def parallelize(self, model: Any, *, precision: str = "fp32", log: Callable[[str], Any] = print) -> Any:
+        """DDP (optionally with gradient compression) or FSDP2 per block (training.fsdp) over the process
+        group; as is alone. Activation checkpointing, where asked, applies per block in every case."""
+        from ballast.training import fsdp
 
-            fully_shard(model)  # ZeRO-3: parameters, gradients and optimizer state sharded over ranks
+        d = self.cfg
+        if self.enabled and d.parallelism == "fsdp":
+            # ZeRO-3: parameters, gradients and optimizer state sharded over ranks, gathered block by block
+            return fsdp.shard(model, precision=precision, activation_checkpointing=d.activation_checkpointing,
+                              log=log)
+        fsdp.prepare_blocks(model, sharded=False, activation_checkpointing=d.activation_checkpointing, log=log)
+        if not self.enabled:
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 

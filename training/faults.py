@@ -97,8 +97,8 @@ class Injector:
                 time.sleep(3600)
 
     def _corrupt_newest_checkpoint(self) -> None:
-        """Flip bytes in the middle of the newest committed checkpoint's model.pt (its size unchanged,
-        so only its hash and contents tell)."""
+        """Flip bytes in the middle of the newest committed checkpoint's model.pt, or its first shard (its
+        size unchanged, so only its hash and contents tell)."""
         from ballast.training import checkpoint as ckpt
 
         if self.checkpoint_dir is None or self.rank != 0:
@@ -106,7 +106,8 @@ class Injector:
         newest = ckpt.committed(self.checkpoint_dir)[-1:]
         if not newest:
             return
-        target = newest[0] / "model.pt"
+        shards = sorted(newest[0].glob("__*_0.distcp"))  # a sharded (FSDP) checkpoint has no model.pt
+        target = newest[0] / "model.pt" if not shards else shards[0]
         with open(target, "r+b") as fh:
             fh.seek(target.stat().st_size // 2)
             chunk = fh.read(64)

@@ -87,7 +87,7 @@ class Trainer:
                                 f"{cfg.model.task}: {', '.join(self.task.metrics)}; bits_per_byte needs a tokenizer)")
 
         self.raw_model = build_configured_model(cfg.model).to(self.dist.device)
-        self.model = self.dist.parallelize(self.raw_model)
+        self.model = self.dist.parallelize(self.raw_model, precision=cfg.numerics.precision, log=self.log)
         self.lr = cfg.optim.learning_rate
         self.opt = build_optimizer(cfg.optim.optimizer, self.model.parameters(), lr=self.lr,
                                    weight_decay=cfg.optim.weight_decay)

@@ -6,7 +6,9 @@ and `ballast.storage` import this package in the orchestrator):
     commit    the layout, the commit protocol, the integrity check `verify` (marker and manifest),
               pruning and `uncommit` (a directory loses its marker before its files)
     fileio    the O_DIRECT writer that hashes while writing, `sha256_file`, the tensor-only loader
-    sharding  the optimizer state in parts, one share per rank, merged at load
+    sharding  the optimizer state in parts, one share per rank, merged at load (DDP)
+    dcp       sharded checkpoints under FSDP (torch.distributed.checkpoint): each rank its own shards;
+              `model_weights(path)`, a checkpoint's whole model for the orchestrator's stages
     saver     the background writer (`AsyncSaver`), at idle CPU priority where asked
     average   the mean of the last checkpoints' weights, and the export CLI (`python -m ballast.training.average`)
     snapshot  CPU copies of the state into buffers reused from save to save
@@ -37,6 +39,7 @@ from ballast.training.checkpoint.commit import (
     uncommit,
     verify,
 )
+from ballast.training.checkpoint.dcp import model_weights
 from ballast.training.checkpoint.fileio import _FileWriter  # noqa: F401  (the tests spy on its writes)
 from ballast.training.checkpoint.fileio import load_tensors, sha256_file, staging_buffer
 from ballast.training.checkpoint.saver import AsyncSaver
@@ -45,7 +48,7 @@ from ballast.training.failure import CheckpointFailure
 
 __all__ = [
     "COMMIT_MARKER", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
-    "committed", "is_committed", "load_optimizer", "load_tensors", "optimizer_part",
+    "committed", "is_committed", "load_optimizer", "load_tensors", "model_weights", "optimizer_part",
     "optimizer_shares", "prune", "read_trainer_state", "recorded_model", "sha256_file", "staging_buffer",
     "step_dir_name", "step_of_name", "uncommit", "verify",
 ]

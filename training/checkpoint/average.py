@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.training.checkpoint.commit import committed, verify
-from ballast.training.checkpoint.fileio import load_tensors
+from ballast.training.checkpoint.dcp import model_weights
 from ballast.training.failure import CheckpointFailure
 
 
@@ -26,7 +26,7 @@ def average(paths: list[Path]) -> dict[str, Any]:
 
     if not paths:
         raise CheckpointFailure("no checkpoints to average")
-    states = [load_tensors(Path(p) / "model.pt") for p in paths]
+    states = [model_weights(Path(p)) for p in paths]  # model.pt, or a sharded checkpoint's model (the export)
     keys = states[0].keys()
     for p, st in zip(paths, states):
         if st.keys() != keys:

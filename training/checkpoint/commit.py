@@ -10,6 +10,9 @@ Layout of a checkpoint directory `step-00000040/`:
     rng-rank<R>.pt         every rank's RNG state
     trainer.json           step, epoch, position in the epoch, metric history, early-stopping state, and
                            the model section it was trained with (what `recorded_model` returns)
+    __<R>_0.distcp,        instead of model.pt and optim-part<R>.pt under FSDP: the sharded model and
+    .metadata              optimizer state through torch.distributed.checkpoint, each rank its own
+                           shards, rank 0 the metadata (checkpoint.dcp), and optim_groups.json
     manifest.json          size and sha256 of every file above
     COMMITTED              written last, after the directory got its final name
 
@@ -45,6 +48,8 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # What trainer.json must record for the model to be rebuilt from the checkpoint alone.
+DCP_METADATA = ".metadata"
+"""torch.distributed.checkpoint's index of a sharded checkpoint: the one file name allowed a leading dot."""
 MODEL_KEY = "model"
 """trainer.json's key holding the model section {name, options, data} (run config version 2)."""
 
@@ -92,7 +97,7 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointFailure(f"{path / MANIFEST}: unreadable checkpoint manifest ({exc})") from exc
     for name, meta in files.items():
         f = path / name
-        if "/" in name or name.startswith("."):
+        if "/" in name or (name.startswith(".") and name != DCP_METADATA):
             raise CheckpointFailure(f"{path / MANIFEST}: file name {name!r} is not allowed")
         if not f.is_file():
             raise CheckpointFailure(f"{f}: listed in the manifest but missing")
@@ -180,6 +185,12 @@ class Writer:
         with self._open(name) as out:
             out.write(json.dumps(obj, indent=2, sort_keys=True).encode())
 
+    def adopt(self, name: str) -> None:
+        """Take a file written into the checkpoint by another writer (DCP's shards) into the manifest:
+        hashed here, by the rank that wrote it, so that no rank reads another's shards to commit."""
+        f = self.tmp / name
+        (self.tmp / f".{name}.sha256").write_text(f"{sha256_file(f)} {f.stat().st_size}\n")
+
     @contextlib.contextmanager
     def _open(self, name: str) -> Iterator[_FileWriter]:
         """A file in the checkpoint, hashed while it is written (commit needs no second read of it);
@@ -198,7 +209,7 @@ class Writer:
         if self.rank == 0:
             files = {}
             for p in sorted(self.tmp.iterdir()):
-                if not p.is_file() or p.name.startswith("."):
+                if not p.is_file() or (p.name.startswith(".") and p.name != DCP_METADATA):
                     continue
                 side = self.tmp / f".{p.name}.sha256"
                 digest, size = side.read_text().split() if side.exists() else (sha256_file(p), p.stat().st_size)

@@ -4,7 +4,8 @@ that may not.
 `check` is the one validity predicate: the commit marker, the manifest's sizes and sha256 (the
 integrity check `commit.verify`, which pruning and the upload to storage use alone: they judge no
 contents), the trainer state readable with a step equal to the directory's, every tensor file loadable
-without unpickling (`weights_only`), every floating-point tensor finite, the step not behind
+without unpickling (`weights_only`; a sharded checkpoint's DCP shards through DCP's reader, tensors
+only), every floating-point tensor finite, the step not behind
 `min_step`, and, given a `probe`, a forward pass on a held-out batch with a finite loss. The trainer's
 resume path and a cluster node pulling a checkpoint run it without the probe (every rank reads the
 same files; the train stage has probed before the launch); the train stage before a launch and the
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ballast.training.checkpoint.commit import _step_of, committed, read_trainer_state, verify
+from ballast.training.checkpoint.commit import DCP_METADATA, _step_of, committed, read_trainer_state, verify
 from ballast.training.checkpoint.fileio import load_tensors
 from ballast.training.failure import CheckpointFailure
 
@@ -57,6 +58,12 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
                 raise CheckpointFailure(f"{path / name}: non-finite values in {key}")
         if name == "model.pt":
             weights = tensors
+    if DCP_METADATA in manifest["files"]:  # sharded (FSDP): DCP's shards, read a bounded batch at a time
+        from ballast.training.checkpoint import dcp
+
+        dcp.check(path)
+        if probe is not None:
+            weights = dcp.model_weights(path)  # the probe's forward pass needs the model in one process
     if probe is not None:
         loss = probe(path, weights)
         if not math.isfinite(loss):

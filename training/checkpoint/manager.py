@@ -1,7 +1,8 @@
 """What a training checkpoint holds, and saving and loading it: the trainer calls `save(reason)` and `load()`.
 
-A checkpoint is the model and optimizer (full state; under DDP each rank writes a byte-balanced share
-of the replicated optimizer state, under FSDP rank 0 writes the gathered one), the loss scaler, every
+A checkpoint is the model and optimizer (under DDP the full state, each rank writing a byte-balanced
+share of the replicated optimizer state; under FSDP the sharded state through torch.distributed.checkpoint,
+each rank writing and reading only its own shards, `checkpoint.dcp`), the loss scaler, every
 rank's RNG, and trainer.json: the `TrainState`, the JSON states given as `states` (LR schedule, the
 anomaly policy's spike window) and the model section the weights fit (what `recorded_model` reads).
 Saves are snapshotted into reused buffers and written by the `AsyncSaver`; loads never unpickle.
@@ -9,10 +10,12 @@ Saves are snapshotted into reused buffers and written by the `AsyncSaver`; loads
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ballast.training.checkpoint import dcp
 from ballast.training.checkpoint.average import average
 from ballast.training.checkpoint.commit import (MODEL_KEY, TRAINER_STATE, committed, read_trainer_state,
                                                 recorded_model)
@@ -34,7 +37,7 @@ class CheckpointManager:
         self.root = Path(cfg.directory)
         self.dist, self.model, self.optimizer, self.scaler = dist, model, optimizer, scaler
         self.state, self.states, self.model_section, self.parallelism = state, states, model_section, parallelism
-        self.sharded = parallelism == "fsdp" and dist.enabled  # FSDP state is gathered, not replicated
+        self.sharded = parallelism == "fsdp" and dist.enabled  # FSDP state: sharded checkpoints (DCP)
         self.metrics, self.log = metrics, log
         metrics.set(checkpoint_interval_seconds=cfg.every_seconds)  # the stale-checkpoint alert's bound
         self.snapshot = Snapshot(pin=dist.device.type == "cuda")
@@ -57,18 +60,25 @@ class CheckpointManager:
         them, for a checkpoint of the state before that step)."""
         t0 = time.monotonic()
         self.saver.wait()  # the snapshot buffers are reused: the previous write must be done
-        tensors, parts = self._snapshot(rng)
+        tensors, parts, sharded = self._snapshot(rng)
         jsons: dict[str, Any] = {}
         if self.dist.rank == 0:
+            if sharded is not None:
+                jsons[dcp.GROUPS_FILE] = dcp.groups_json(sharded[1])
             jsons[TRAINER_STATE] = trainer_state(**{
                 **self.state.state_dict(), "world_size": self.dist.world,
                 **{key: obj.state_dict() for key, obj in self.states.items()},
                 # The model section (name, options, data): what the weights can be rebuilt from.
                 MODEL_KEY: self.model_section.model_dump(mode="json"),
-                "parallelism": self.parallelism, "reason": reason, "optim_parts": parts})
+                "parallelism": self.parallelism, "reason": reason, "optim_parts": parts,
+                "state_format": "dcp" if sharded is not None else "pt"})
         keep = {self.state.best["step"]} if self.state.best else set()
         use_async = self.cfg.asynchronous if asynchronous is None else asynchronous
-        self.saver.save(self.state.step, tensors, jsons, keep=keep, asynchronous=use_async)
+        shards = None
+        if sharded is not None:
+            def shards(directory: Path, state: dict = sharded[0]) -> list[str]:
+                return dcp.write(state, directory, rank=self.dist.rank, group=self.dist.ckpt_group)
+        self.saver.save(self.state.step, tensors, jsons, keep=keep, asynchronous=use_async, shards=shards)
         blocked = time.monotonic() - t0
         self.last_save = time.monotonic()
         self.metrics.set(checkpoint_save_seconds=blocked)
@@ -84,15 +94,6 @@ class CheckpointManager:
         self.metrics.set(checkpoint_write_seconds=seconds, last_checkpoint_timestamp_seconds=time.time())
         self.metrics.event("checkpoint_written", step, write_seconds=round(seconds, 3))
 
-    def _full_state(self) -> tuple[dict, dict]:
-        """Full (unsharded) model and optimizer state; collective under FSDP."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-            return get_state_dict(self.model, self.optimizer,
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return self.model.state_dict(), self.optimizer.state_dict()
-
     def rng_state(self) -> dict[str, Any]:
         """This rank's random generators (dropout draws from them): what a checkpoint records."""
         import torch
@@ -102,31 +103,31 @@ class CheckpointManager:
             rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
         return rng
 
-    def _snapshot(self, rng: dict | None = None) -> tuple[dict[str, Any], int]:
-        """This rank's checkpoint tensors, copied into the reused snapshot buffers; and the number of
-        optimizer parts."""
+    def _snapshot(self, rng: dict | None = None) -> tuple[dict[str, Any], int, tuple | None]:
+        """This rank's checkpoint tensors, copied into the reused snapshot buffers; the number of
+        optimizer parts; under FSDP (sharded, nothing gathered) the snapshot of this rank's shards of the
+        model and optimizer state, with the parameter groups."""
         import torch
 
         rank = self.dist.rank
-        model_sd, optim_sd = self._full_state()
         rng = rng if rng is not None else self.rng_state()
         tensors: dict[str, Any] = {f"rng-rank{rank}.pt": self.snapshot.copy(rng, ("rng",))}
-        if self.sharded:
-            parts = 1  # the gathered full state is on rank 0 only
-            if rank == 0:
-                tensors["optim-part0.pt"] = self.snapshot.copy(optim_sd, ("optim",))
-        else:
-            # Every rank holds the same optimizer state: each snapshots and writes its share.
-            parts = self.dist.world
-            model_bytes = sum(t.numel() * t.element_size() for t in model_sd.values())
-            mine = optimizer_shares(optim_sd, parts, rank0_bytes=model_bytes)[rank]
-            tensors[f"optim-part{rank}.pt"] = self.snapshot.copy(
-                optimizer_part(optim_sd, mine, first=rank == 0), ("optim",))
         if rank == 0:
-            tensors["model.pt"] = self.snapshot.copy(model_sd, ("model",))
             tensors["scaler.pt"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()
                                     if isinstance(v, (int, float))}
-        return tensors, parts
+        if self.sharded:
+            state, groups = dcp.sharded_state(self.model, self.optimizer)
+            return tensors, 0, (self.snapshot.copy(state, ("dcp",)), groups)
+        model_sd, optim_sd = self.model.state_dict(), self.optimizer.state_dict()
+        # Every rank holds the same optimizer state: each snapshots and writes its share.
+        parts = self.dist.world
+        model_bytes = sum(t.numel() * t.element_size() for t in model_sd.values())
+        mine = optimizer_shares(optim_sd, parts, rank0_bytes=model_bytes)[rank]
+        tensors[f"optim-part{rank}.pt"] = self.snapshot.copy(
+            optimizer_part(optim_sd, mine, first=rank == 0), ("optim",))
+        if rank == 0:
+            tensors["model.pt"] = self.snapshot.copy(model_sd, ("model",))
+        return tensors, parts, None
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -169,19 +170,7 @@ class CheckpointManager:
             return False
         saved = read_trainer_state(path)
         self._check_model(path)
-        model_sd = load_tensors(path / "model.pt")
-        if self.cfg.resume_average_last > 1:
-            recent = committed(self.root)[-self.cfg.resume_average_last:]
-            model_sd = average(recent)
-            self.log(f"resuming from the average of {len(recent)} checkpoints: {', '.join(p.name for p in recent)}")
-        try:
-            parts = saved.get("optim_parts")
-            if not isinstance(parts, int) or parts < 1:
-                raise CheckpointFailure(f"{path / TRAINER_STATE}: optim_parts is {parts!r}, expected the number"
-                                        f" of optimizer state files (optim-part<R>.pt); refusing to resume")
-            self._load_full_state(model_sd, load_optimizer(path, parts))
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointFailure(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
+        self._load_weights(path, saved)
         scaler = load_tensors(path / "scaler.pt")
         if scaler:
             self.scaler.load_state_dict({k: v.item() for k, v in scaler.items()})
@@ -203,6 +192,44 @@ class CheckpointManager:
         self.log(f"resumed from {path} (epoch {self.state.epoch}, step {self.state.step}) in {seconds:.2f}s")
         self.metrics.event("resume", self.state.step, path=str(path), seconds=round(seconds, 4))
         return True
+
+    def _load_weights(self, path: Path, saved: dict[str, Any]) -> None:
+        """The model and optimizer state of `path` (the model's as the mean of the last checkpoints where
+        resume_average_last asks): sharded through DCP, or the full files."""
+        average_last = self.cfg.resume_average_last
+        recent = committed(self.root)[-average_last:] if average_last > 1 else []
+        if recent:
+            self.log(f"resuming from the average of {len(recent)} checkpoints: {', '.join(p.name for p in recent)}")
+        try:
+            if saved.get("state_format") == "dcp":
+                self._load_sharded(path, recent)
+                return
+            model_sd = average(recent) if recent else load_tensors(path / "model.pt")
+            parts = saved.get("optim_parts")
+            if not isinstance(parts, int) or parts < 1:
+                raise CheckpointFailure(f"{path / TRAINER_STATE}: optim_parts is {parts!r}, expected the number"
+                                        f" of optimizer state files (optim-part<R>.pt); refusing to resume")
+            self._load_full_state(model_sd, load_optimizer(path, parts))
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointFailure(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
+
+    def _load_sharded(self, path: Path, recent: list[Path]) -> None:
+        """Each rank reads its own shards of a DCP checkpoint, resharded to this run's world size."""
+        from ballast.training.models import keeping_optimizer_kernel
+
+        if not self.sharded:
+            raise CheckpointFailure(f"{path}: a sharded (fsdp) checkpoint, and this run is not sharded (parallelism"
+                                    f" {self.parallelism}, {self.dist.world} process(es)); resume it with"
+                                    f" parallelism fsdp on 2 or more processes")
+        groups_file = path / dcp.GROUPS_FILE
+        try:
+            groups = json.loads(groups_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointFailure(f"{groups_file}: unreadable optimizer groups ({exc})") from exc
+        with keeping_optimizer_kernel(self.optimizer):
+            dcp.read_into(self.model, self.optimizer, path, groups=groups, group=self.dist.ckpt_group)
+        if recent:
+            dcp.average_into(self.model, recent, group=self.dist.ckpt_group)
 
     def _check_model(self, path: Path) -> None:
         """Refuse a checkpoint of another model: its name, its data and every option but dropout (which

@@ -52,9 +52,11 @@ class AsyncSaver:
         self._verified: dict[Path, tuple] = {}  # what prune has verified (commit.prune's memo)
 
     def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
-             asynchronous: bool = True) -> None:
+             asynchronous: bool = True, shards: Callable[[Path], list[str]] | None = None) -> None:
+        """`shards`: writes this rank's part of a sharded state into the given directory, collectively
+        (checkpoint.dcp.write), and returns the names of the files it wrote."""
         self.wait()
-        args = (step, tensors, jsons, keep)
+        args = (step, tensors, jsons, keep, shards)
         if not asynchronous:
             self._write(*args)
             self.wait()
@@ -62,13 +64,19 @@ class AsyncSaver:
         self._thread = threading.Thread(target=self._write, args=args, name=f"ckpt-{step}", daemon=True)
         self._thread.start()
 
-    def _write(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], keep: set[int]) -> None:
+    def _write(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], keep: set[int],
+               shards: Callable[[Path], list[str]] | None) -> None:
         t0 = time.monotonic()
         if self.idle and threading.current_thread() is self._thread:
             _set_policy(0, "SCHED_IDLE")
         try:
             w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self._staging)
             w.begin()
+            if shards is not None:
+                with GATE:
+                    written = shards(w.tmp)
+                for name in written:
+                    w.adopt(name)
             for name, obj in tensors.items():
                 with GATE:  # no loader worker is forked while torch.save runs here (training.forkgate)
                     w.write_tensors(name, obj, zip_crc=name == "model.pt")

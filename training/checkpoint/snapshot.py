@@ -1,4 +1,5 @@
-"""CPU copies of the training state into buffers reused from one save to the next (imports torch lazily)."""
+"""CPU copies of the training state into buffers reused from one save to the next (imports torch lazily);
+of a sharded (DTensor) state, each rank's own shards only."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ class Snapshot:
     def copy(self, obj: Any, path: tuple = ()) -> Any:
         import torch
 
+        if hasattr(obj, "to_local") and hasattr(obj, "device_mesh"):  # a DTensor: this rank's shard only
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(self.copy(obj.to_local(), path), obj.device_mesh, obj.placements,
+                                      shape=obj.shape, stride=obj.stride(), run_check=False)
         if torch.is_tensor(obj):
             buf = self.buffers.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:

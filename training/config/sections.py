@@ -215,14 +215,15 @@ class DistributedSettings(Section):
     """ddp: replicated weights; fsdp: fully sharded weights, gradients and optimizer state (ZeRO-3)."""
     gradient_compression: Literal["none", "fp16", "bf16"] = "none"
     """DDP gradient compression hook for slow networks (ddp only)."""
+    activation_checkpointing: bool = False
+    """Recompute each model block's activations in backward instead of keeping them (less memory, about
+    a third more compute); per block of `ballast_blocks()`, under ddp or fsdp."""
 
     @model_validator(mode="after")
     def _check_parallelism(self) -> DistributedSettings:
         if self.parallelism == "fsdp" and self.gradient_compression != "none":
             raise ValueError("gradient_compression: DDP compression hooks do not apply to fsdp; set none")
         return self
-
-
 
 
 class ResourceSettings(Section):
@@ -272,8 +273,6 @@ class CheckpointSettings(Section):
     resume: bool = True
     """Resume from the newest checkpoint that passes the gate; false: every try and every restart starts
     from step 0 (what a run without checkpoints would do: the goodput benchmark's comparison)."""
-
-
 
 
 class MonitorSettings(Section):

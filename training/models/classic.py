@@ -41,6 +41,11 @@ def _one_input(data: dict[str, Any], name: str) -> list[int]:
     return [int(s) for s in data["input_shape"]]
 
 
+def _layers(module: Any) -> list[Any]:
+    """The modules of `module` that hold parameters of their own (its layers), in order."""
+    return [m for m in module.modules() if m is not module and any(True for _ in m.parameters(recurse=False))]
+
+
 def _options(options: dict[str, Any]) -> tuple[int, float]:
     return int(options.get("hidden_size", 128)), float(options.get("dropout", 0.1))
 
@@ -61,6 +66,10 @@ def mlp(options: dict[str, Any], data: dict[str, Any]) -> Any:
         def __init__(self):
             super().__init__()
             self.net = body  # the parameter names (net.0.weight...) are what checkpoints hold
+
+        def ballast_blocks(self):
+            """The linear layers (training.fsdp's units)."""
+            return _layers(self.net)
 
         def forward(self, x):
             if isinstance(x, dict):
@@ -93,7 +102,12 @@ def cnn(options: dict[str, Any], data: dict[str, Any]) -> Any:
         def forward(self, y):
             return y if shape is None else y.reshape(len(y), *shape)
 
-    return nn.Sequential(
+    class CNN(nn.Sequential):  # a Sequential still: its parameters keep their names (0.weight...)
+        def ballast_blocks(self):
+            """The convolutions and linear layers (training.fsdp's units)."""
+            return _layers(self)
+
+    return CNN(
         ToNCHW(), nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Dropout(dropout), nn.Linear(64 * 4, hidden), nn.ReLU(),
         nn.Linear(hidden, out), Shaped())
@@ -121,6 +135,10 @@ def embed(options: dict[str, Any], data: dict[str, Any]) -> Any:
             self.positions = fp32_embedding(positions, hidden)
             self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, out))
             self.register_buffer("index", torch.arange(positions), persistent=False)
+
+        def ballast_blocks(self):
+            """The two embeddings and the head (training.fsdp's units)."""
+            return [self.values, self.positions, self.head]
 
         def forward(self, x):
             tokens = x.reshape(x.shape[0], -1).round().clamp(0, 255).long()

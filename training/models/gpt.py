@@ -98,6 +98,11 @@ def gpt(options: dict[str, Any], data: dict[str, Any]) -> Any:
                 nn.init.normal_(block.attn.proj.weight, std=0.02 / (2 * layers) ** 0.5)
                 nn.init.normal_(block.mlp[2].weight, std=0.02 / (2 * layers) ** 0.5)
 
+        def ballast_blocks(self):
+            """The Transformer blocks: each an FSDP unit and an activation-checkpointing unit
+            (training.fsdp); the embedding (tied to the head) and the final norm stay with the root."""
+            return list(self.blocks)
+
         @staticmethod
         def _init(m):
             if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -59,6 +59,10 @@ def unet(options: dict[str, Any], data: dict[str, Any]) -> Any:
             self.merge = nn.ModuleList(double(2 * widths[i], widths[i]) for i in reversed(range(depth)))
             self.out = conv(widths[0], classes, 1)
 
+        def ballast_blocks(self):
+            """The double convolutions of each level, down and up (training.fsdp's units)."""
+            return [*self.down, *self.merge]
+
         def forward(self, x):
             n = x.shape[0]
             x = x.float().reshape(n, *spatial, channels)

@@ -23,14 +23,15 @@ TOKENIZER = "tokenizer.json"
 
 
 def to_safetensors(src: Path, dest: Path, *, metadata: dict[str, str]) -> Path:
-    """The tensor file `src` (a checkpoint's model.pt, loaded without unpickling) as safetensors at
+    """The tensor file `src`, or the model of the checkpoint directory `src` (its model.pt, or a sharded
+    checkpoint's model pieces; loaded without unpickling), as safetensors at
     `dest`. Tensors that share memory (tied embeddings) are written each in full, so that a plain
     `load_state_dict(load_file(dest))` restores them."""
     from safetensors.torch import save_file
 
     from ballast.training import checkpoint as ckpt
 
-    tensors = ckpt.load_tensors(src)
+    tensors = ckpt.load_tensors(src) if src.is_file() else ckpt.model_weights(src)  # a checkpoint directory
     seen: set[int] = set()
     out = {}
     for name, value in tensors.items():
@@ -81,7 +82,7 @@ def run(ctx: RunContext) -> PublishResult:
     test = ev.scores()
     training = TrainingOutcome(epochs=train.epochs, steps=train.steps, stopped_early=train.stopped_early)
     weights = ctx.work_dir / "publish" / WEIGHTS
-    to_safetensors(best / "model.pt", weights, metadata={"pipeline": spec.name, "version": version})
+    to_safetensors(best, weights, metadata={"pipeline": spec.name, "version": version})
     tokenizer = _tokenizer(ctx, conv)
     card = {
         "name": spec.name, "version": version, "dag_id": ctx.dag_id, "run_id": ctx.run_id,

@@ -29,7 +29,7 @@ def load_model(path: Path) -> tuple[Any, dict[str, Any]]:
     from ballast.training import checkpoint as ckpt
 
     section = recorded_section(path)
-    weights = ckpt.load_tensors(path / "model.pt")
+    weights = ckpt.model_weights(path)  # model.pt, or a sharded (FSDP) checkpoint's model pieces
     model = build_recorded(section)
     try:
         model.load_state_dict(weights)

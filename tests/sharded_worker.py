@@ -1,0 +1,49 @@
+"""A test's training process under torchrun: the real Trainer resumes from its run config's checkpoints,
+then (test only) either gathers what it restored for the test to compare, or starts a save that one rank
+does not survive. Usage: python sharded_worker.py RUN_CONFIG {dump OUT | crash-save}
+
+dump OUT     rank 0 writes the full restored model and optimizer state (gathered here, in the test's
+             worker: the trainer never gathers) and the step to OUT, with torch.save
+crash-save   the next step's checkpoint is saved synchronously; rank 1 exits right after writing its
+             shards, before the commit: the save never completes
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+    import torch
+    from ballast.training.checkpoint import dcp
+    from ballast.training.config import RunConfig
+    from ballast.training.trainer import Trainer
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    cfg, mode = RunConfig.load(sys.argv[1]), sys.argv[2]
+    t = Trainer(cfg)
+    if not t.resume():
+        raise SystemExit("sharded_worker: nothing to resume from")
+    if mode == "dump":
+        msd, osd = get_state_dict(t.model, t.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if t.rank == 0:
+            torch.save({"model": msd, "optim": osd["state"], "step": t.state.step}, sys.argv[3])
+    elif mode == "crash-save":
+        write = dcp.write
+
+        def write_then_die(state, directory, *, rank, group):
+            names = write(state, directory, rank=rank, group=group)
+            if rank == 1:
+                os._exit(17)  # killed between its shards and the commit
+            return names
+
+        dcp.write = write_then_die
+        t.state.step += 1
+        t.save("test", asynchronous=False)
+    t.dist.ckpt_barrier()
+    os._exit(0)  # the trainer's watchdog and metrics threads need no orderly end here
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""FSDP2 per block (ballast.training.fsdp): the built-in models name their blocks, each block and the root
+become FSDP units, a model without `ballast_blocks()` is wrapped whole with a warning in the log, the
+bf16 mixed-precision policy, activation checkpointing that changes no gradient, the spec field reaching
+the run config; and the sharded checkpoint's safety in one process (DCP's `.metadata` unpickled with
+DCP's own classes only, pickled values and non-finite pieces refused). In one process: a world-1 gloo
+group on an in-memory store, or DCP without a process group (no process is started)."""
+
+from __future__ import annotations
+
+import pytest
+from ballast.training import fsdp
+from ballast.training.failure import CheckpointFailure, ConfigFailure
+from ballast.training.models import build_configured_model
+
+pytestmark = pytest.mark.unit
+
+LM = {"task": "causal_lm", "input_shape": [8], "input_dtype": "int64", "seq_len": 8, "vocab_size": 40,
+      "inputs": {"tokens": {"shape": [8], "dtype": "int64"}}}
+ROWS = {"task": "classification", "input_shape": [6], "input_dtype": "float32", "num_classes": 3,
+        "inputs": {"x": {"shape": [6], "dtype": "float32"}}}
+IMAGES = {"task": "classification", "input_shape": [8, 8], "input_dtype": "uint8", "num_classes": 3,
+          "inputs": {"x": {"shape": [8, 8], "dtype": "uint8"}}}
+SEG = {"task": "segmentation", "input_shape": [8, 8], "input_dtype": "float32", "target_shape": [8, 8],
+       "num_classes": 2, "inputs": {"x": {"shape": [8, 8], "dtype": "float32"}}}
+
+
+def _model(name, options, data):
+    from ballast.training.config.run import ModelConfig
+
+    return build_configured_model(ModelConfig(name=name, options=options, data=data))
+
+
+@pytest.fixture
+def group():
+    """A one-rank gloo process group on an in-memory store."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,options,data,expected", [
+    ("gpt", {"layers": 3, "width": 16, "heads": 2}, LM, lambda m: list(m.blocks)),
+    ("unet", {"depth": 2, "base_width": 4}, SEG, lambda m: [*m.down, *m.merge]),
+    ("mlp", {"hidden_size": 8}, ROWS, lambda m: [m.net[0], m.net[3], m.net[5]]),
+    ("cnn", {"hidden_size": 8}, IMAGES, lambda m: [m[1], m[3], m[8], m[10]]),
+    ("embed", {"hidden_size": 8}, IMAGES, lambda m: [m.values, m.positions, m.head]),
+], ids=["gpt", "unet", "mlp", "cnn", "embed"])
+def test_built_in_models_name_their_blocks(name, options, data, expected):
+    model = _model(name, options, data)
+    blocks = fsdp.model_blocks(model)
+    assert [id(b) for b in blocks] == [id(b) for b in expected(model)]
+    # Disjoint units of the model's own parameters (a parameter in two blocks would be sharded twice).
+    owned = [id(p) for b in blocks for p in b.parameters()]
+    assert owned and len(owned) == len(set(owned)) and set(owned) <= {id(p) for p in model.parameters()}
+
+
+def test_blocks_that_are_not_submodules_are_refused():
+    import torch
+
+    class Stray(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(2, 2)
+
+        def ballast_blocks(self):
+            return [self.a, torch.nn.Linear(2, 2)]
+
+    with pytest.raises(ConfigFailure, match=r"ballast_blocks\(\)\[1\] \(Linear\) is not a submodule of the model"):
+        fsdp.model_blocks(Stray())
+
+
+def test_each_block_and_the_root_become_fsdp_units(group):
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _model("gpt", {"layers": 2, "width": 16, "heads": 2}, LM)
+    logs: list[str] = []
+    fsdp.shard(model, precision="bf16", activation_checkpointing=False, log=logs.append)
+    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    assert units == ["", "blocks.0", "blocks.1"] and not logs
+    # bf16 parameters and compute, fp32 gradient reduction, fp32 sharded parameters (what the optimizer steps)
+    policy = model.blocks[0]._get_fsdp_state()._mp_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    out = model(torch.randint(0, 40, (2, 8)))
+    assert out.dtype == torch.bfloat16
+
+
+def test_a_model_without_blocks_is_wrapped_whole_with_a_warning(group):
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    logs: list[str] = []
+    fsdp.shard(model, precision="fp32", activation_checkpointing=True, log=logs.append)
+    assert [name for name, m in model.named_modules() if isinstance(m, FSDPModule)] == [""]
+    assert logs == [("warning: model Sequential has no ballast_blocks() method: FSDP wraps it whole (every parameter"
+                     " gathered at once in forward and backward); no activation checkpointing (it is applied per"
+                     " block)")]
+    assert model(torch.ones(3, 4)).shape == (3, 2)
+
+
+def test_activation_checkpointing_recomputes_blocks_and_keeps_gradients_and_names():
+    import torch
+
+    torch.manual_seed(0)
+    plain = _model("gpt", {"layers": 2, "width": 16, "heads": 2, "dropout": 0.1}, LM)
+    again = _model("gpt", {"layers": 2, "width": 16, "heads": 2, "dropout": 0.1}, LM)
+    again.load_state_dict(plain.state_dict())
+    names = list(again.state_dict())
+    blocks = fsdp.prepare_blocks(again, sharded=False, activation_checkpointing=True, log=print)
+    calls = []
+    for block in blocks:  # count the forwards of a block's inner module: twice with recomputation
+        block.mlp.register_forward_hook(lambda *_: calls.append(1))
+    tokens = torch.randint(0, 40, (2, 8))
+    for model in (plain, again):
+        torch.manual_seed(1)  # the same dropout masks
+        model(tokens).float().pow(2).mean().backward()
+    assert len(calls) == 2 * len(blocks)  # each block's forward ran again in backward
+    assert list(again.state_dict()) == names
+    for (name, a), b in zip(plain.named_parameters(), again.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_activation_checkpointing_travels_from_the_spec_to_the_run_config():
+    from ballast.errors import SpecError
+    from ballast.launch.config import run_config
+    from ballast.spec import json_schema, parse_spec
+    from helpers import example_data
+
+    field = json_schema()["$defs"]["TrainingSpec"]["properties"]["activation_checkpointing"]
+    assert (field["type"], field["default"]) == ("boolean", False)
+    d = example_data()
+    d["training"].update(parallelism="fsdp", activation_checkpointing=True)
+    cfg = run_config(parse_spec(d), data_dir="/d", data_format="tfrecord", checkpoint_dir="/c", output_dir="/o")
+    assert cfg.distributed.activation_checkpointing is True
+    assert run_config(parse_spec(example_data()), data_dir="/d", data_format="tfrecord", checkpoint_dir="/c",
+                      output_dir="/o").distributed.activation_checkpointing is False
+    d["training"]["activation_checkpointing"] = "sometimes"
+    with pytest.raises(SpecError, match=r"training\.activation_checkpointing"):
+        parse_spec(d)
+
+
+def test_a_dcp_checkpoints_metadata_is_unpickled_with_dcps_own_classes_only(tmp_path):
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp_api
+    from ballast.training.checkpoint import dcp
+
+    dcp_api.save({"model": {"w": torch.ones(3)}}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    assert "model.w" in dcp.metadata(tmp_path / "ok").state_dict_metadata
+    dcp.check(tmp_path / "ok")  # finite tensors only: passes
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointFailure, match=r"evil/\.metadata: not a DCP checkpoint's metadata \(UnpicklingError:"
+                                                r" builtins\.print is not part of a DCP checkpoint's metadata\)"):
+        dcp.metadata(tmp_path / "evil")
+
+
+def test_the_gate_refuses_a_dcp_checkpoint_holding_pickled_values(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp_api
+    from ballast.training.checkpoint import dcp
+
+    dcp_api.save({"model": {"w": torch.ones(3)}, "extra": {"note": "a string DCP pickles"}},
+                 checkpoint_id=str(tmp_path), no_dist=True)
+    with pytest.raises(CheckpointFailure, match=r"\.metadata: holds pickled values \(extra\.note\); a Ballast"
+                                                r" checkpoint holds tensors only, refusing to unpickle"):
+        dcp.check(tmp_path)
+    dcp_api.save({"model": {"w": torch.tensor([1.0, float("inf")])}}, checkpoint_id=str(tmp_path / "inf"),
+                 no_dist=True)
+    with pytest.raises(CheckpointFailure, match=r"inf/__0_0\.distcp: non-finite values in model\.w"):
+        dcp.check(tmp_path / "inf")

@@ -1,0 +1,86 @@
+"""Sharding a model over the ranks with FSDP2, block by block, and activation checkpointing per block.
+
+A model names its blocks with a `ballast_blocks()` method (the built-ins do: gpt's Transformer blocks,
+unet's convolution stages, the classic models' layers). Each block is its own FSDP unit, then the root
+takes what is left (embeddings, final norm, head): a block's parameters are gathered just before its
+forward (and backward) and freed after, so no rank holds every parameter at once during compute
+(ZeRO-3). A model without `ballast_blocks()` is wrapped whole, with a warning: every parameter is then
+gathered at once. The optimizer, built on the sharded (DTensor) parameters, keeps its state sharded
+with them. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def model_blocks(model: Any) -> list[Any] | None:
+    """The modules `model.ballast_blocks()` names (each a submodule of `model`), or None without the method."""
+    method = getattr(model, "ballast_blocks", None)
+    if not callable(method):
+        return None
+    from ballast.training.failure import ConfigFailure
+
+    blocks = list(method())
+    inside = {id(m) for m in model.modules()}
+    for i, block in enumerate(blocks):
+        if id(block) not in inside or block is model:
+            raise ConfigFailure(f"training.model: ballast_blocks()[{i}] ({type(block).__name__}) is not a submodule"
+                                " of the model; return the model's own blocks (never the model itself)")
+    return blocks
+
+
+def checkpoint_activations(blocks: list[Any]) -> None:
+    """Recompute each block's activations in backward instead of keeping them (torch.utils.checkpoint,
+    non-reentrant, RNG state preserved so dropout draws the same masks). The block keeps its name and
+    its parameters' names: checkpoints are the same with or without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        inner = block.forward
+
+        def forward(*args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+
+
+def mixed_precision(precision: str) -> Any:
+    """FSDP2's policy for `training.precision`: bf16 parameters and compute with fp32 gradient reduction
+    for bf16; None (fp32 throughout) otherwise (fp16 stays autocast with the loss scaler)."""
+    if precision != "bf16":
+        return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def prepare_blocks(model: Any, *, sharded: bool, activation_checkpointing: bool,
+                   log: Callable[[str], Any]) -> list[Any] | None:
+    """The model's blocks, with activation checkpointing applied where asked; the warning for a model
+    that names none where they were needed."""
+    blocks = model_blocks(model)
+    if blocks is None and (sharded or activation_checkpointing):
+        name = type(model).__name__
+        log(f"warning: model {name} has no ballast_blocks() method: "
+            + ("FSDP wraps it whole (every parameter gathered at once in forward and backward)" if sharded else "")
+            + ("; " if sharded and activation_checkpointing else "")
+            + ("no activation checkpointing (it is applied per block)" if activation_checkpointing else ""))
+    if blocks and activation_checkpointing:
+        checkpoint_activations(blocks)
+    return blocks
+
+
+def shard(model: Any, *, precision: str, activation_checkpointing: bool, log: Callable[[str], Any]) -> Any:
+    """FSDP2 (`fully_shard`) on each block, then on the root; the model, sharded in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = prepare_blocks(model, sharded=True, activation_checkpointing=activation_checkpointing, log=log)
+    policy = mixed_precision(precision)
+    kwargs = {"mp_policy": policy} if policy is not None else {}
+    for block in blocks or []:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
