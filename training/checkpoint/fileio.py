@@ -76,9 +76,10 @@ class _FileWriter:
                 and _address(src) % self.BLOCK == 0:
             if self.pos:
                 self._drain(self.pos)  # what is staged: whole blocks, as the record starts on a block
-            at = n - n % self.BLOCK
-            for lo in range(0, at, len(self.view)):
-                self._emit(src[lo:min(lo + len(self.view), at)])
+            if self.direct:  # still: a filesystem that refused that first write made this file buffered
+                at = n - n % self.BLOCK
+                for lo in range(0, at, len(self.view)):
+                    self._emit(src[lo:min(lo + len(self.view), at)])
         while at < n:
             k = min(n - at, len(self.view) - self.pos)
             self.view[self.pos:self.pos + k] = src[at:at + k]
