@@ -97,3 +97,16 @@ def digits_cache(tmp_path_factory, digits_raw):
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def lm_cache(tmp_path_factory):
+    """A small text corpus (byte tokens, workload_data.lm_spec) validated, converted and warmed once for
+    the session: (its RunContext, the WarmCacheResult). Read-only."""
+    from ballast.stages import convert, validate, warm_cache
+    from workload_data import lm_spec, write_corpus
+
+    tmp = tmp_path_factory.mktemp("lm")
+    raw = write_corpus(tmp / "raw")
+    ctx = make_ctx(tmp, raw, lambda d: lm_spec(d, raw))
+    return ctx, run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]

@@ -11,65 +11,10 @@ import random
 import subprocess
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from ballast.training import checkpoint as ckpt
-from helpers import make_ctx, run_chain, run_spec_dag, torchrun
-from workload_data import stdlib_texts
-
-SEQ_LEN = 32
-GPT = {"name": "gpt", "options": {"layers": 2, "width": 32, "heads": 2}}
-
-
-def write_corpus(dest: Path, limit_bytes: int = 200_000) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"text": pa.array(stdlib_texts(limit_bytes), pa.string())}), dest / "part-0.parquet")
-    return dest
-
-
-def lm_spec(d: dict, raw: Path, *, epochs: int = 2) -> None:
-    """The example spec turned into a small language model on the text under `raw`."""
-    d["dataset"] = {"location": str(raw), "fields": [{"name": "text", "type": "string"}], "text": "text",
-                    "tokenizer": {"kind": "bytes"}, "split": {"validation": 0.15, "test": 0.15, "seed": 3}}
-    d["validation"]["rules"] = []
-    d["conversion"]["shard_rows"] = 128
-    t = d["training"]
-    t.pop("hidden_size", None)
-    t.update(task="causal_lm", model=GPT, seq_len=SEQ_LEN, epochs=epochs, micro_batch_size=16,
-             global_batch_size=32, learning_rate=0.003, checkpoint={"every_steps": 10, "keep_last": 3})
-    d["evaluation"] = {"patience": 10}
-
-
-@pytest.fixture(scope="module")
-def lm_cache(tmp_path_factory):
-    from ballast.stages import convert, validate, warm_cache
-    from helpers import warm_cache_rest
-
-    tmp = tmp_path_factory.mktemp("lm")
-    raw = write_corpus(tmp / "raw")
-    ctx = make_ctx(tmp, raw, lambda d: lm_spec(d, raw))
-    return ctx, run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
-
-
-def lm_config(tmp: Path, ctx, cache, *, changes: dict | None = None, procs: int = 2) -> Path:
-    from ballast.launch.config import run_config
-
-    manifest = json.loads((Path(cache.cache_dir) / "manifest.json").read_text())
-    cfg = run_config(ctx.spec, data_dir=cache.cache_dir, data_format=cache.format, checkpoint_dir=str(tmp / "ckpt"),
-                     output_dir=str(tmp / "out"), manifest=manifest)
-    data = cfg.model_dump(mode="json")
-    data["distributed"]["timeout_seconds"] = 120
-    for dotted, value in (changes or {}).items():
-        *head, last = dotted.split(".")
-        node = data
-        for part in head:
-            node = node[part]
-        node[last] = value
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "run.json").write_text(json.dumps(data))
-    return tmp / "run.json"
-
+from helpers import run_spec_dag, torchrun
+from workload_data import lm_config, lm_spec, write_corpus
 
 @pytest.mark.integration
 def test_a_killed_rank_resumes_the_language_model_to_identical_weights(tmp_path, lm_cache):

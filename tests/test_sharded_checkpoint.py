@@ -17,23 +17,11 @@ from ballast.training import checkpoint as ckpt
 from ballast.training.checkpoint import dcp, gate
 from ballast.training.failure import CheckpointFailure
 from helpers import torchrun
-from test_lm import lm_config, lm_spec, write_corpus
+from workload_data import lm_config
 
 pytestmark = pytest.mark.integration
 WORKER = Path(__file__).with_name("sharded_worker.py")
 FSDP = {"distributed.parallelism": "fsdp", "checkpoint.every_steps": 4, "checkpoint.keep_last": 2}
-
-
-@pytest.fixture(scope="module")
-def lm_cache(tmp_path_factory):
-    """test_lm's language-model data (a small text corpus, byte tokens), validated, converted and cached."""
-    from ballast.stages import convert, validate, warm_cache
-    from helpers import make_ctx, run_chain, warm_cache_rest
-
-    tmp = tmp_path_factory.mktemp("lm")
-    raw = write_corpus(tmp / "raw")
-    ctx = make_ctx(tmp, raw, lambda d: lm_spec(d, raw))
-    return ctx, run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
 
 
 def _train(tmp: Path, lm, procs: int, *, changes: dict | None = None, restarts: int = 0) -> subprocess.CompletedProcess:
