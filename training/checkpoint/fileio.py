@@ -25,9 +25,14 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def load_tensors(path: Path) -> Any:
     """Load a tensor file without unpickling arbitrary objects: safetensors (`.safetensors`, what publish
-    writes) or a torch file read with `weights_only` (checkpoints)."""
+    writes; or the index of a sharded one, `model.safetensors.index.json`, its shards beside it) or a
+    torch file read with `weights_only` (checkpoints)."""
     import torch
 
+    if Path(path).name.endswith(".safetensors.index.json"):
+        from ballast.training.checkpoint.published import load_sharded
+
+        return load_sharded(Path(path))
     try:
         if Path(path).suffix == ".safetensors":
             from safetensors.torch import load_file
