@@ -33,5 +33,9 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
         size = {"samples": args.samples} if name == "read" else {"rows": args.rows}
         return getattr(data_plane, f"bench_{name}")(**{k: v for k, v in size.items() if v is not None})
+    if name == "sharded-checkpoint":
+        from ballast.bench.sharded_checkpoint import bench_sharded_checkpoint
+
+        return bench_sharded_checkpoint(small=getattr(args, "small", False), device=getattr(args, "device", None) or "cpu")
     raise ValueError(f"unknown benchmark {name!r}")
 

@@ -150,13 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="run a benchmark and write its JSON")
     s.add_argument("name", choices=["parse", "overhead", "checkpoint", "recovery", "goodput", "convert", "read",
-                                           "warmup", "lm"])
+                                           "warmup", "lm", "sharded-checkpoint"])
     s.add_argument("--rows", type=int, help="convert, warmup: rows of synthetic data (convert: the 1x size)")
     s.add_argument("--samples", type=int, help="read: number of samples")
     s.add_argument("--specs", type=int, default=50, help="parse: number of generated specs")
     s.add_argument("--repeat", type=int, default=3, help="parse: timed repetitions (median reported)")
     s.add_argument("--mtbf", type=float, help="goodput: mean seconds between random rank kills (default 60)")
     s.add_argument("--epochs", type=int, help="goodput: epochs of the digits training (default 300, ~85 s here)")
+    s.add_argument("--small", action="store_true", help="sharded-checkpoint: a tiny model on 2 ranks (a shape check)")
+    s.add_argument("--device", choices=["cpu", "cuda"], help="sharded-checkpoint: cuda runs one rank per GPU on NCCL")
     s.add_argument("--json", help="write the result JSON here")
     s.set_defaults(fn=cmd_bench)
 

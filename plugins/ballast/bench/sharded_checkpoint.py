@@ -1,0 +1,166 @@
+"""`ballast bench sharded-checkpoint`: sharded checkpoints of a `gpt` model under FSDP2 on 4 CPU ranks (gloo).
+
+The model is sized so that its state (fp32 weights and AdamW's two moments) is ~1 GiB, ~256 MiB per
+rank. Every rank (`ballast.bench.sharded_checkpoint_rank`, one spawned process each) measures:
+
+* `save_added_memory`: the largest resident-set growth any rank shows during a save (sampled every
+  2 ms from just before the save until it is committed; the first asynchronous save, which allocates the
+  snapshot buffers, included), against 1.3x the rank's own shard plus a fixed buffer (FIXED_BUFFER:
+  the writer's 8 MiB staging buffer and the allocator's and DCP's per-save working memory);
+* `async_time_lost`: (stretch with an asynchronous save - stretch without) / (stretch with a synchronous
+  save - stretch without), each stretch the same steps with the save in the middle, ending once the save
+  is committed (so a background write that outlasts the steps counts as lost); medians over rotated
+  repetitions; target <= 0.10;
+* `save_vs_dcp`, `load_vs_dcp`: DCP's own save/load time over Ballast's synchronous save (snapshot, DCP
+  shards, sha256, manifest, commit marker, pruning) and its resume (`CheckpointManager.load`), of the
+  same sharded state in the same run, medians over alternating repetitions; target >= 0.9.
+
+`--small`: a tiny model on 2 ranks (the test's shape check, seconds). `--device cuda`: the same on GPUs,
+one rank per GPU over NCCL (the checkpoint writer's own group stays gloo). Every rank process ends with
+the bench: it is killed at the deadline or when another rank fails, and dies with the bench's process.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ballast.bench.measure import target
+
+FIXED_BUFFER = 64 << 20
+"""Bytes a save may add beyond 1.3x the rank's shard whatever the model's size: the checkpoint writer's
+8 MiB staging buffer (training.checkpoint.fileio.staging_buffer), sha256's 1 MiB read buffer, and the
+per-save working memory of DCP's planner and of the allocator (its free lists; measured on the small
+model, whose shard is a few MiB, at ~20-40 MiB)."""
+
+FULL = {"world": 4, "layers": 6, "width": 1024, "heads": 16, "vocab": 14_000, "seq_len": 32, "batch": 1,
+        "warmup_steps": 2, "stretch_steps": 10, "repeats": 3}
+"""~89.6M parameters: 6 blocks of 12.6M and a 14.3M tied embedding; x3 fp32 = ~1.0 GiB of state."""
+SMALL = {"world": 2, "layers": 2, "width": 64, "heads": 4, "vocab": 512, "seq_len": 16, "batch": 2,
+         "warmup_steps": 1, "stretch_steps": 4, "repeats": 1}
+
+
+def bench_sharded_checkpoint(*, small: bool = False, device: str = "cpu", timeout: float = 3000.0) -> dict[str, Any]:
+    import multiprocessing as mp
+    import os
+
+    opts: dict[str, Any] = dict(SMALL if small else FULL)
+    world = int(opts.pop("world"))
+    cores = os.cpu_count() or 1
+    opts.update(threads=max(1, cores // world), backend="nccl" if device == "cuda" else "gloo",
+                writer_priority="idle")
+    with tempfile.TemporaryDirectory(prefix="ballast-bench-sharded-") as tmp:
+        out, ckpt = Path(tmp) / "out", Path(tmp) / "ckpt"
+        out.mkdir()
+        ckpt.mkdir()
+        opts.update(out=str(out), dir=str(ckpt))
+        ctx = mp.get_context("spawn")
+        from ballast.bench.sharded_checkpoint_rank import run
+
+        port = _free_port()
+        procs = [ctx.Process(target=run, args=(r, world, port, os.getpid(), opts), name=f"bench-rank-{r}")
+                 for r in range(world)]
+        started, failure = time.monotonic(), None
+        try:
+            for p in procs:
+                p.start()
+            failure = _wait(procs, deadline=started + timeout)
+        finally:
+            for p in procs:  # whatever happened, no rank outlives the bench
+                if p.is_alive():
+                    p.kill()
+                p.join(10)
+        errors = sorted(out.glob("rank-*.error"))
+        if errors:  # the first rank's own error, rather than the peers' broken connections
+            raise RuntimeError(f"sharded-checkpoint bench: {errors[0].name}: {errors[0].read_text()[-3000:]}")
+        if failure:
+            raise RuntimeError(f"sharded-checkpoint bench: {failure}")
+        ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+        return _report(ranks, opts, world=world, device=device, small=small, seconds=time.monotonic() - started)
+
+
+def _wait(procs: list[Any], *, deadline: float) -> str | None:
+    """Until every rank ended; what went wrong (the caller kills the rest) when one failed or at the deadline."""
+    from multiprocessing.connection import wait
+
+    while any(p.is_alive() for p in procs):
+        failed = [p for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            return f"{failed[0].name} failed (exit code {failed[0].exitcode})"
+        if time.monotonic() > deadline:
+            return "ranks still running at the deadline; killed"
+        wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
+    failed = [p for p in procs if p.exitcode != 0]
+    return f"{failed[0].name} ended with exit code {failed[0].exitcode}" if failed else None
+
+
+def _report(ranks: list[dict[str, Any]], opts: dict[str, Any], *, world: int, device: str, small: bool,
+            seconds: float) -> dict[str, Any]:
+    med = statistics.median
+    state_bytes = sum(r["own_shard_bytes"] for r in ranks)
+
+    # (a) memory: per rank, the largest growth over every Ballast save measured.
+    memory = []
+    for r in ranks:
+        ballast = {k: v for k, v in r["memory"].items() if k.startswith("ballast")}
+        added = max(max(v) for v in ballast.values())
+        bound = 1.3 * r["own_shard_bytes"] + FIXED_BUFFER
+        memory.append({"rank": r["rank"], "added_bytes": added, "own_shard_bytes": r["own_shard_bytes"],
+                       "bound_bytes": int(bound), "added_over_bound": round(added / bound, 4),
+                       "added_over_own_shard": round(added / r["own_shard_bytes"], 4),
+                       "by_save": r["memory"], "rss_before_first_save": r["rss_before_first_save"]})
+    worst = max(memory, key=lambda m: m["added_over_bound"])
+
+    # (b) time lost: the slowest rank's stretch in each repetition (they end on a barrier: nearly equal).
+    def slowest(key: str, mode: str) -> list[float]:
+        return [max(vals) for vals in zip(*(r[key][mode] for r in ranks))]
+
+    stretch = {mode: slowest("stretch_seconds", mode) for mode in ("none", "sync", "async")}
+    lost_sync = [s - n for s, n in zip(stretch["sync"], stretch["none"])]
+    lost_async = [a - n for a, n in zip(stretch["async"], stretch["none"])]
+    lost_ratio = max(med(lost_async), 0.0) / med(lost_sync) if med(lost_sync) > 0 else float("inf")
+
+    # (c) DCP's own time over Ballast's (>= 0.9: Ballast at most ~11% slower).
+    save = {k: slowest("save_seconds", k) for k in ("ballast", "dcp")}
+    load = {k: slowest("load_seconds", k) for k in ("ballast", "dcp")}
+    return {
+        "benchmark": "sharded-checkpoint", "device": device, "small": small, "ranks": world,
+        "backend": opts["backend"], "threads_per_rank": opts["threads"],
+        "model": {"name": "gpt", **{k: opts[k] for k in ("layers", "width", "heads", "vocab", "seq_len")},
+                  "parameters": ranks[0]["parameters"], "batch": opts["batch"]},
+        "state_bytes": state_bytes, "state_bytes_per_rank": state_bytes // world,
+        "fixed_buffer_bytes": FIXED_BUFFER, "writer_priority": opts["writer_priority"],
+        "memory": memory,
+        "stretch_steps": opts["stretch_steps"], "repeats": opts["repeats"],
+        "stretch_seconds": {k: [round(x, 4) for x in v] for k, v in stretch.items()},
+        "lost_seconds": {"sync": [round(x, 4) for x in lost_sync], "async": [round(x, 4) for x in lost_async]},
+        "async_blocked_seconds": [round(max(v), 4) for v in zip(*(r["async_blocked_seconds"] for r in ranks))],
+        "async_write_done_inside_stretch": [all(v) for v in zip(*(r["async_write_done_inside_stretch"] for r in ranks))],
+        "save_seconds": {k: [round(x, 4) for x in v] for k, v in save.items()},
+        "load_seconds": {k: [round(x, 4) for x in v] for k, v in load.items()},
+        "state_restored_exactly": all(all(r["state_equal_after_load"]) for r in ranks),
+        "seconds": round(seconds, 1),
+        "targets": {
+            "save_added_memory": {**target(worst["added_over_bound"], 1.0), "rank": worst["rank"],
+                                  "added_bytes": worst["added_bytes"], "own_shard_bytes": worst["own_shard_bytes"],
+                                  "bound_bytes": worst["bound_bytes"],
+                                  "bound": "1.3 x own shard + fixed_buffer_bytes"},
+            "async_time_lost": {**target(round(lost_ratio, 4), 0.10),
+                                "lost_seconds_median": {"sync": round(med(lost_sync), 4),
+                                                        "async": round(med(lost_async), 4)}},
+            "save_vs_dcp": target(round(med(save["dcp"]) / med(save["ballast"]), 4), 0.9, lower_is_better=False),
+            "load_vs_dcp": target(round(med(load["dcp"]) / med(load["ballast"]), 4), 0.9, lower_is_better=False),
+        },
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,98 @@
+"""`ballast bench sharded-checkpoint`: the targets' arithmetic on given per-rank figures (unit), the command
+line reaching it, and the bench itself on a tiny model with 2 ranks (integration): the JSON's shape, every
+rank's figures, the state restored exactly by both loads, and no rank process left behind."""
+
+from __future__ import annotations
+
+import pytest
+from ballast.bench import sharded_checkpoint as bench
+
+MiB = 1 << 20
+
+
+def _rank(rank: int, *, own: int, added: list[int], none: list[float], sync: list[float], asyn: list[float],
+          save: dict, load: dict) -> dict:
+    return {"rank": rank, "own_shard_bytes": own, "rss_before_first_save": 500 * MiB, "parameters": 10,
+            "memory": {"ballast_async_first": [added[0]], "ballast_sync": [added[1]], "ballast_async": [added[2]],
+                       "dcp_save": [1]},
+            "stretch_seconds": {"none": none, "sync": sync, "async": asyn},
+            "async_blocked_seconds": [0.01] * len(none), "async_write_done_inside_stretch": [True] * len(none),
+            "save_seconds": save, "load_seconds": load, "state_equal_after_load": [True, True]}
+
+
+OPTS = {**bench.SMALL, "threads": 1, "backend": "gloo", "writer_priority": "idle"}
+
+
+@pytest.mark.unit
+def test_the_targets_take_the_worst_rank_and_the_medians_of_the_slowest_rank():
+    ranks = [
+        _rank(0, own=100 * MiB, added=[120 * MiB, 10 * MiB, 5 * MiB], none=[10.0, 10.2, 9.8], sync=[14.0, 14.2, 13.8],
+              asyn=[10.2, 10.4, 10.0], save={"ballast": [2.0, 2.0, 2.0], "dcp": [1.9, 1.9, 1.9]},
+              load={"ballast": [1.0, 1.0, 1.0], "dcp": [0.8, 0.8, 0.8]}),
+        # rank 1: the larger growth (its first save), the slower stretches and saves
+        _rank(1, own=100 * MiB, added=[200 * MiB, 10 * MiB, 5 * MiB], none=[10.1, 10.3, 9.9], sync=[14.1, 14.3, 13.9],
+              asyn=[10.5, 10.7, 10.3], save={"ballast": [2.2, 2.1, 2.0], "dcp": [2.0, 2.0, 2.0]},
+              load={"ballast": [1.0, 1.1, 1.2], "dcp": [1.0, 1.0, 1.0]}),
+    ]
+    out = bench._report(ranks, OPTS, world=2, device="cpu", small=True, seconds=1.0)
+    t = out["targets"]
+    bound = 1.3 * 100 * MiB + bench.FIXED_BUFFER
+    assert t["save_added_memory"]["rank"] == 1 and t["save_added_memory"]["added_bytes"] == 200 * MiB
+    assert t["save_added_memory"]["value"] == round(200 * MiB / bound, 4)
+    assert t["save_added_memory"]["met"] is (200 * MiB <= bound)
+    # lost: async 0.4 s against sync 4.0 s (medians of the slowest rank's stretches)
+    assert out["lost_seconds"]["sync"] == [4.0, 4.0, 4.0]
+    assert t["async_time_lost"]["value"] == pytest.approx(0.1, abs=1e-4) and t["async_time_lost"]["met"]
+    assert t["save_vs_dcp"] == {"value": round(2.0 / 2.1, 4), "target": ">= 0.9", "met": True}
+    assert t["load_vs_dcp"]["value"] == round(1.0 / 1.1, 4) and t["load_vs_dcp"]["met"]
+    assert out["state_bytes"] == 200 * MiB and out["state_bytes_per_rank"] == 100 * MiB
+    # A slower async stretch than the sync one is a miss, not a negative figure turned into a pass.
+    ranks[1]["stretch_seconds"]["async"] = [15.0, 15.0, 15.0]
+    assert not bench._report(ranks, OPTS, world=2, device="cpu", small=True, seconds=1.0)["targets"][
+        "async_time_lost"]["met"]
+
+
+@pytest.mark.unit
+def test_the_command_line_runs_it_by_name(monkeypatch):
+    from ballast.dev import cli
+
+    seen = {}
+    monkeypatch.setattr(bench, "bench_sharded_checkpoint", lambda **kw: seen.update(kw) or {"targets": {}})
+    args = cli.build_parser().parse_args(["bench", "sharded-checkpoint", "--small"])
+    from ballast.bench import run_benchmark
+
+    assert run_benchmark(args.name, args) == {"targets": {}}
+    assert seen == {"small": True, "device": "cpu"}
+
+
+@pytest.mark.integration
+def test_the_small_bench_reports_every_target_and_leaves_no_rank_running():
+    import multiprocessing
+
+    out = bench.bench_sharded_checkpoint(small=True, timeout=120)
+    assert set(out["targets"]) == {"save_added_memory", "async_time_lost", "save_vs_dcp", "load_vs_dcp"}
+    for name, entry in out["targets"].items():
+        assert {"value", "target", "met"} <= set(entry), name
+        assert isinstance(entry["met"], bool) and entry["value"] >= 0, (name, entry)
+    assert out["ranks"] == 2 and len(out["memory"]) == 2
+    for m in out["memory"]:
+        assert m["own_shard_bytes"] > 0 and m["bound_bytes"] > m["own_shard_bytes"]
+        assert set(m["by_save"]) == {"ballast_async_first", "ballast_sync", "ballast_async", "dcp_save"}
+    # 3x the parameters in fp32 (weights and AdamW's two moments), split over the ranks; the model's state
+    # dict names the tied embedding twice (embed.weight, head.weight), and each moment has its step.
+    m = out["model"]
+    params, tied = m["parameters"], 4 * m["vocab"] * m["width"]
+    assert 3 * 4 * params + tied <= out["state_bytes"] <= 3 * 4 * params + tied + 4096
+    assert all(len(v) == out["repeats"] for v in out["stretch_seconds"].values())
+    assert out["state_restored_exactly"] is True
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.integration
+def test_a_failing_rank_ends_the_bench_with_its_error_and_no_rank_left(monkeypatch):
+    import multiprocessing
+
+    monkeypatch.setitem(bench.SMALL, "heads", 3)  # width 64 is no multiple of 3 heads: the model refuses
+    with pytest.raises(RuntimeError, match=r"rank-\d\.error: ConfigFailure: .*width 64 must be a multiple of heads 3"):
+        bench.bench_sharded_checkpoint(small=True, timeout=120)
+    assert not multiprocessing.active_children()
