@@ -4,13 +4,15 @@ A block (training.dataset.format) is a Parquet row group of the Petastorm datase
 shard. Each column is decoded by its codec, a whole block at once: .npy files (Petastorm,
 NdarrayCodec) or raw tensor bytes (TFRecord), PNG/JPEG for images in both, scalars as they are stored.
 Features come out float32 (float, uint8 and bool columns) or int64 (other integer columns, e.g. token
-ids), labels int64 (integer) or float32 (float). No torch here: evaluation reads whole splits without
-a DataLoader.
+ids), labels int64 (integer) or float32 (float). No torch here: evaluation streams a split in bounded
+batches (`iter_split`, a block read at a time) without a DataLoader; the trainer's validation set is read
+whole (`load_split`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,20 +174,100 @@ def concat_features(parts: list[Features]) -> Features:
     return np.concatenate(parts)
 
 
-def load_split(data_dir: Path, split: str, *, fmt: str, num_classes: int | None = None,
-               wait_seconds: float = 0.0) -> Split:
-    """A whole split in memory, in file order (validation and test sets). Integer labels are checked
-    against [0, num_classes) when the dataset (or the caller) has a number of classes."""
-    data_dir = Path(data_dir)
+def _split_blocks(data_dir: Path, split: str, fmt: str, num_classes: int | None,
+                  wait_seconds: float) -> tuple[Any, BlockDecoder]:
+    """The split's blocks decoded one at a time, in file order (a generator), and the decoder. Integer
+    labels are checked against [0, num_classes) block by block when the dataset (or the caller) has a
+    number of classes. Refused at once (not when first read) when the split has no shards."""
     manifest = read_manifest(data_dir)
     blocks = blocks_of(manifest, split, fmt)
     if not blocks:
         raise DataFailure(f"{data_dir}: the manifest lists no {fmt} shards for split {split!r}")
     decoder = BlockDecoder(manifest, fmt)
-    parts = [read_block(data_dir, b, fmt, decoder, wait_seconds) for b in blocks]
+    classes = num_classes or manifest.get("num_classes")
+    check = bool(decoder.label and classes and decoder.label.is_integer)
+
+    def gen() -> Iterator[tuple[Features, np.ndarray | None]]:
+        for b in blocks:
+            x, y = read_block(data_dir, b, fmt, decoder, wait_seconds)
+            if check and y.size and (y.min() < 0 or y.max() >= classes):
+                raise DataFailure(f"{data_dir}: labels outside [0, {classes}) in split {split!r}")
+            yield x, y
+
+    return gen(), decoder
+
+
+def load_split(data_dir: Path, split: str, *, fmt: str, num_classes: int | None = None,
+               wait_seconds: float = 0.0) -> Split:
+    """A whole split in memory, in file order (the trainer's validation set). Integer labels are checked
+    against [0, num_classes) when the dataset (or the caller) has a number of classes."""
+    blocks, decoder = _split_blocks(Path(data_dir), split, fmt, num_classes, wait_seconds)
+    parts = list(blocks)
     x = concat_features([p[0] for p in parts])
     y = np.concatenate([p[1] for p in parts]) if decoder.label else None
-    classes = num_classes or manifest.get("num_classes")
-    if y is not None and classes and decoder.label.is_integer and y.size and (y.min() < 0 or y.max() >= classes):
-        raise DataFailure(f"{data_dir}: labels outside [0, {classes}) in split {split!r}")
     return Split(x, y)
+
+
+def iter_split(data_dir: Path, split: str, *, fmt: str, batch_rows: int, num_classes: int | None = None,
+               wait_seconds: float = 0.0) -> Iterator[Split]:
+    """A split in file order as consecutive batches of `batch_rows` rows (the last may be shorter), read
+    one block at a time: what is held at once is one block and one batch, whatever the split's size (a
+    block is a Parquet row group, `conversion.row_group_rows`, or a TFRecord shard, `shard_rows`). The
+    rows, their order and the label check are load_split's; an empty split is refused here, at the call."""
+    if batch_rows < 1:
+        raise ValueError(f"batch_rows must be >= 1 (got {batch_rows})")
+    blocks, decoder = _split_blocks(Path(data_dir), split, fmt, num_classes, wait_seconds)
+
+    def gen() -> Iterator[Split]:
+        held: list[tuple[Features, np.ndarray | None]] = []
+        count = 0
+        for x, y in blocks:
+            held.append((x, y))
+            count += _rows(x)
+            while count >= batch_rows:
+                batch = _cut(held, batch_rows, decoder)
+                held, count = _rest(held, batch_rows, count)
+                yield batch
+        if count:
+            yield _cut(held, count, decoder)
+
+    return gen()
+
+
+def _rows(x: Features) -> int:
+    return len(next(iter(x.values())) if isinstance(x, dict) else x)
+
+
+def _take(x: Features, start: int, stop: int | None = None) -> Features:
+    if isinstance(x, dict):
+        return {k: v[start:stop] for k, v in x.items()}
+    return x[start:stop]
+
+
+def _cut(held: list[tuple[Features, np.ndarray | None]], n: int, decoder: BlockDecoder) -> Split:
+    """The first `n` rows of the held blocks as one Split (a view when they lie in the first block)."""
+    parts, need = [], n
+    for x, y in held:
+        k = min(need, _rows(x))
+        parts.append((_take(x, 0, k), None if y is None else y[:k]))
+        need -= k
+        if not need:
+            break
+    if len(parts) == 1:
+        return Split(*parts[0])
+    return Split(concat_features([p[0] for p in parts]),
+                 np.concatenate([p[1] for p in parts]) if decoder.label else None)
+
+
+def _rest(held: list[tuple[Features, np.ndarray | None]], n: int,
+          count: int) -> tuple[list[tuple[Features, np.ndarray | None]], int]:
+    """The held blocks less their first `n` rows, and how many rows remain."""
+    out, skip = [], n
+    for x, y in held:
+        rows = _rows(x)
+        if skip >= rows:
+            skip -= rows
+            continue
+        out.append((_take(x, skip), None if y is None else y[skip:]))
+        skip = 0
+    return out, count - n

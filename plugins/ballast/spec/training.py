@@ -134,3 +134,7 @@ class EvaluationSpec(EarlyStopSettings):
     publish: Literal["always", "if_better"] = "always"
     """if_better: publish only when the new model beats the last published one on this run's test split
     (scored side by side in the evaluate task); otherwise say so and keep the old one."""
+    batch_size: int = Field(256, ge=1, le=65_536)
+    """Test rows read from the cache and scored per forward pass in the evaluate task: the test split
+    streams in batches of this many rows (memory grows with it, not with the split) and the metrics add
+    up exactly over the batches."""

@@ -5,11 +5,19 @@ measures the chosen model on rows training never saw, with the trainer's own tas
 comparison (training.tasks.ops, training.scores), on the model the checkpoint records
 (verify_checkpoint.load_model). The record holds every metric of the task by name. Below
 `evaluation.threshold` the run fails without retrying and nothing is published.
+
+The test split streams from the node-local cache in batches of `evaluation.batch_size` rows
+(training.dataset.reader.iter_split, a block read at a time), and each model's summable metric parts
+(TaskOps.parts) add up batch by batch: the scores equal those of the split scored whole, and memory
+holds a block and a batch, whatever the split's size. With `evaluation.publish: if_better` the
+published model is scored in the same pass, side by side.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +25,6 @@ from ballast.pipeline.context import RunContext
 from ballast.errors import ConfigError, QualityGateError
 from ballast.records import EvaluateResult, HeldOutScores
 from ballast.stages.verify_checkpoint import load_model, recorded_section
-
-EVAL_ROWS = 256
-"""Rows scored per forward pass (the test split is held in memory; its activations need not be)."""
 
 
 def task_of(section: Any, cache_dir: str) -> Any:
@@ -31,66 +36,106 @@ def task_of(section: Any, cache_dir: str) -> Any:
                             token_bytes=(manifest.get("tokenizer") or {}).get("token_bytes"))
 
 
-def test_scores(model: Any, task: Any, test: Any) -> dict[str, float]:
-    """Every metric of the task of `model` on the whole split `test`."""
+@dataclass
+class Tally:
+    """What scoring one model on a split adds up, batch by batch: the task's summable metric parts, and
+    (classification) per label the rows seen and the rows predicted right."""
+
+    parts: list[float]
+    seen: list[int] = field(default_factory=list)
+    right: list[int] = field(default_factory=list)
+
+    def add(self, task: Any, output: Any, target: Any, per_class: bool) -> None:
+        """One batch's output against its target."""
+        import torch
+
+        from ballast.training.tasks import ops as task_ops
+
+        self.parts = [a + b for a, b in zip(self.parts, task.parts(output, target))]
+        if per_class:
+            logits = task_ops.logits_of(output)
+            width = int(logits.shape[1])
+            hit = target[logits.argmax(1) == target]
+            self.seen = _summed(self.seen, torch.bincount(target, minlength=width).tolist())
+            self.right = _summed(self.right, torch.bincount(hit, minlength=width).tolist())
+
+    def per_class_accuracy(self, digits: int = 4) -> dict[int, float]:
+        """Accuracy within each label present (ops.per_class_accuracy's figures, from counts)."""
+        return {c: round(r / n, digits) for c, (n, r) in enumerate(zip(self.seen, self.right)) if n}
+
+
+def _summed(a: list[int], b: list[int]) -> list[int]:
+    """Two count vectors added, the shorter padded with zeros."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
+def score_batches(models: list[Any], task: Any, batches: Iterable[Any], *, per_class: bool = False) -> list[Tally]:
+    """Each model's tally over the batches of a split (reader.Split each, as iter_split yields them):
+    one forward pass per model and batch, under no_grad; the task's metrics are `task.scores(t.parts)`."""
+    import torch
+
     from ballast.training.tasks import ops as task_ops
 
-    model.eval()
-    parts = task_ops.split_parts(model, task, test.features, test.labels, device="cpu", batch=EVAL_ROWS)
-    return task.scores(parts)
+    tallies = [Tally(task.empty_parts()) for _ in models]
+    for model in models:
+        model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            x, y = task.prepare(task_ops.as_tensors(batch.features), task_ops.as_tensors(batch.labels))
+            for model, tally in zip(models, tallies):
+                tally.add(task, model(x), y, per_class)
+    return tallies
 
 
-def _baseline(ctx: RunContext, test, task) -> tuple[HeldOutScores | None, str | None]:
-    """The last published model's scores on this run's test split (evaluation.publish: if_better)."""
+def _published(ctx: RunContext) -> tuple[Any, Any]:
+    """The last published model and its registry entry (evaluation.publish: if_better), or (None, None)."""
     from ballast.storage import models as registry
 
     published = registry.latest(ctx)
     if published is None:
         ctx.log.info("evaluation.publish if_better: no model published yet; this one will be the first")
         return None, None
-    model = registry.load(registry.weights(ctx, published, ctx.work_dir / "baseline"), published.model_section)
-    scores = test_scores(model, task, test)
-    ev = ctx.spec.evaluation
-    ctx.log.info("published model %s on the same test split: %s = %.4f", published.version, ev.metric,
-                 scores[ev.metric])
-    return HeldOutScores.of(task=task.task, metric=ev.metric, scores=scores, test_rows=len(test)), published.version
+    return registry.load(registry.weights(ctx, published, ctx.work_dir / "baseline"),
+                         published.model_section), published
 
 
 def run(ctx: RunContext) -> EvaluateResult:
-    import torch
-
     from ballast.training import checkpoint as ckpt
-    from ballast.training.dataset.reader import load_split
+    from ballast.training.dataset.reader import iter_split
     from ballast.training.scores import reaches
-    from ballast.training.tasks import ops as task_ops
 
     spec = ctx.spec
     ev = spec.evaluation
     best = Path(ctx.result("verify_checkpoint").best.path)
     cache = ctx.result("warm_cache")
-    test = load_split(Path(cache.cache_dir), "test", fmt=cache.format, num_classes=spec.dataset.num_classes)
     model, _ = load_model(best)  # a damaged file is a CheckpointFailure naming it: no retry (the runner)
     task = task_of(recorded_section(best), cache.cache_dir)
-    scores = test_scores(model, task, test)
-    if ev.metric not in scores:
+    if ev.metric not in task.metrics:
         raise ConfigError(f"evaluation.metric: {ev.metric!r} is not computed for this dataset (task {task.task}"
-                               f" reports {', '.join(task.metrics)} here); choose one of those")
-    per_class: dict[int, float] = {}
-    if task.task == "classification":
-        with torch.no_grad():
-            logits = torch.cat([model(task_ops.as_tensors(task_ops.take(test.features, i, i + EVAL_ROWS)))
-                                for i in range(0, len(test), EVAL_ROWS)])
-        per_class = task_ops.per_class_accuracy(logits, task_ops.as_tensors(test.labels))
+                          f" reports {', '.join(task.metrics)} here); choose one of those")
+    baseline_model, published = _published(ctx) if ev.publish == "if_better" else (None, None)
+    batches = iter_split(Path(cache.cache_dir), "test", fmt=cache.format, batch_rows=ev.batch_size,
+                         num_classes=spec.dataset.num_classes)
+    models = [model] if baseline_model is None else [model, baseline_model]
+    tallies = score_batches(models, task, batches, per_class=task.task == "classification")
+    scores = task.scores(tallies[0].parts)
+    rows = int(scores["samples"])
     value = scores[ev.metric]
+    baseline = None
+    if published is not None:
+        theirs = task.scores(tallies[1].parts)
+        ctx.log.info("published model %s on the same test split: %s = %.4f", published.version, ev.metric,
+                     theirs[ev.metric])
+        baseline = HeldOutScores.of(task=task.task, metric=ev.metric, scores=theirs, test_rows=rows)
     history = ckpt.read_trainer_state(best)["history"]
     ok = None if ev.threshold is None else reaches(value, ev.threshold, mode=ev.mode)
-    baseline, baseline_version = _baseline(ctx, test, task) if ev.publish == "if_better" else (None, None)
-    held_out = HeldOutScores.of(task=task.task, metric=ev.metric, scores=scores, test_rows=len(test))
-    result = EvaluateResult(**held_out.model_dump(), per_class_accuracy=per_class, checkpoint=str(best),
-                            validation_history=history, threshold=ev.threshold, passed=ok,
-                            baseline=baseline, baseline_version=baseline_version)
-    ctx.log.info("test %s = %.4f on %d held-out rows (checkpoint %s); %s", ev.metric, value, len(test), best,
-                 ", ".join(f"{k} {v:.4f}" for k, v in held_out.metrics.items()))
+    held_out = HeldOutScores.of(task=task.task, metric=ev.metric, scores=scores, test_rows=rows)
+    result = EvaluateResult(**held_out.model_dump(), per_class_accuracy=tallies[0].per_class_accuracy(),
+                            checkpoint=str(best), validation_history=history, threshold=ev.threshold, passed=ok,
+                            baseline=baseline, baseline_version=published.version if published else None)
+    ctx.log.info("test %s = %.4f on %d held-out rows in batches of %d (checkpoint %s); %s", ev.metric, value, rows,
+                 ev.batch_size, best, ", ".join(f"{k} {v:.4f}" for k, v in held_out.metrics.items()))
     if ok is False:
         ctx.save_result("evaluate", result)  # keep the numbers for the report even though we stop here
         raise QualityGateError(f"evaluation.threshold: test {ev.metric} {value:.4f} does not reach"
