@@ -26,10 +26,13 @@ from __future__ import annotations
 from ballast.training.checkpoint.average import average
 from ballast.training.checkpoint.commit import (
     COMMIT_MARKER,
+    DCP_METADATA,
+    LOCAL_FILES,
     MANIFEST,
     TRAINER_STATE,
     Writer,
     committed,
+    held_files,
     is_committed,
     prune,
     read_trainer_state,
@@ -47,8 +50,8 @@ from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part,
 from ballast.training.failure import CheckpointFailure
 
 __all__ = [
-    "COMMIT_MARKER", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
-    "committed", "is_committed", "load_optimizer", "load_tensors", "model_weights", "optimizer_part",
+    "COMMIT_MARKER", "DCP_METADATA", "LOCAL_FILES", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
+    "committed", "held_files", "is_committed", "load_optimizer", "load_tensors", "model_weights", "optimizer_part",
     "optimizer_shares", "prune", "read_trainer_state", "recorded_model", "sha256_file", "staging_buffer",
     "step_dir_name", "step_of_name", "uncommit", "verify",
 ]

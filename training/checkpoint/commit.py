@@ -15,11 +15,23 @@ Layout of a checkpoint directory `step-00000040/`:
                            shards, rank 0 the metadata (checkpoint.dcp), and optim_groups.json
     manifest.json          size and sha256 of every file above
     COMMITTED              written last, after the directory got its final name
+    local-files.json       only in a node-local directory (below): the files of the manifest this node holds
 
 A save writes into `.step-00000040.tmp/`, fsyncs every file, writes the manifest, renames the
 directory and then writes COMMITTED. A directory without COMMITTED, or whose files do not match its
 manifest, is refused by `verify`: a kill at any moment of a save leaves the previous checkpoint as the
-newest that verifies. `verify` says only that the bytes are the ones committed; whether a checkpoint
+newest that verifies.
+
+Node-local directories (`node_local`: several nodes, each with a checkpoint directory of its own, as
+on object storage): each node's disk holds only the files its own ranks wrote. Every rank hashes its
+own files; the names, sizes and sha256 go to every rank (an all-gather on the checkpoint group), so
+each node's leader (local rank 0) writes the same manifest, listing every file of every node, beside
+its node's files, then `local-files.json` (what this node holds) and COMMITTED. Such a directory is
+complete for the integrity check `verify(path, held_only=True)` (the files it holds match the manifest:
+what pruning and the push to storage need), never for `verify` (the gate, a resume): the whole
+checkpoint exists only in storage, once every node pushed its share (`ballast.storage.checkpoints`).
+
+`verify` says only that the bytes are the ones committed; whether a checkpoint
 may be resumed from or promoted is the verification gate's (`training.checkpoint.gate.check`, which
 runs `verify` first, then reads what the files hold). Pruning and the upload to object storage need
 no more than `verify`; `is_committed` only says which directories to ask. A checkpoint directory is
@@ -45,6 +57,8 @@ from ballast.training.failure import CheckpointFailure
 
 COMMIT_MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
+LOCAL_FILES = "local-files.json"
+"""In a node-local checkpoint directory: {"files": [the manifest's files this node holds]}."""
 TRAINER_STATE = "trainer.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # What trainer.json must record for the model to be rebuilt from the checkpoint alone.
@@ -83,8 +97,11 @@ def is_committed(path: Path) -> bool:
     return bool(_STEP_DIR.match(path.name)) and (path / COMMIT_MARKER).is_file() and (path / MANIFEST).is_file()
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """Full check: committed, and every file matches the manifest's size and sha256. Returns the manifest."""
+def verify(path: Path, *, held_only: bool = False) -> dict[str, Any]:
+    """Full check: committed, and every file matches the manifest's size and sha256. Returns the manifest.
+
+    `held_only`: a node-local directory (with `local-files.json`) passes when the files this node holds
+    match the manifest; the others are on other nodes' disks (and in storage)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointFailure(f"{path}: no such checkpoint directory")
@@ -95,10 +112,16 @@ def verify(path: Path) -> dict[str, Any]:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointFailure(f"{path / MANIFEST}: unreadable checkpoint manifest ({exc})") from exc
+    held = held_files(path)
+    if held is not None and not held_only:
+        raise CheckpointFailure(f"{path}: holds only this node's files of the checkpoint ({LOCAL_FILES}); the"
+                                f" whole checkpoint is in storage once every node pushed its share")
     for name, meta in files.items():
         f = path / name
         if "/" in name or (name.startswith(".") and name != DCP_METADATA):
             raise CheckpointFailure(f"{path / MANIFEST}: file name {name!r} is not allowed")
+        if held is not None and name not in held:
+            continue
         if not f.is_file():
             raise CheckpointFailure(f"{f}: listed in the manifest but missing")
         if f.stat().st_size != meta["size"]:
@@ -106,7 +129,24 @@ def verify(path: Path) -> dict[str, Any]:
                                     " truncated?")
         if sha256_file(f) != meta["sha256"]:
             raise CheckpointFailure(f"{f}: sha256 does not match the manifest; the file was changed or corrupted")
+    if held is not None and not held <= set(files):
+        raise CheckpointFailure(f"{path / LOCAL_FILES}: names files the manifest does not list"
+                                f" ({', '.join(sorted(held - set(files))[:3])})")
     return manifest
+
+
+def held_files(path: Path) -> set[str] | None:
+    """The files a node-local checkpoint directory holds (its `local-files.json`); None for a whole one."""
+    f = Path(path) / LOCAL_FILES
+    if not f.is_file():
+        return None
+    try:
+        names = json.loads(f.read_text())["files"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise TypeError("files is not a list of names")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointFailure(f"{f}: unreadable ({exc})") from exc
+    return set(names)
 
 
 def committed(root: Path) -> list[Path]:
@@ -151,9 +191,13 @@ def recorded_model(path: Path) -> dict[str, Any]:
 
 
 class Writer:
-    """Writes one checkpoint cooperatively from every rank (call the methods on all ranks in order)."""
+    """Writes one checkpoint cooperatively from every rank (call the methods on all ranks in order).
 
-    def __init__(self, root: Path, step: int, *, rank: int, barrier: Callable[[], Any], staging: Any = None):
+    `node_local`: every node has a checkpoint directory of its own (`local_rank` says who leads on this
+    node); `gather` then is the all-gather of a JSON object over the ranks (the checkpoint group)."""
+
+    def __init__(self, root: Path, step: int, *, rank: int, barrier: Callable[[], Any], staging: Any = None,
+                 local_rank: int = 0, node_local: bool = False, gather: Callable[[Any], list[Any]] | None = None):
         self.root = Path(root)
         self.step = step
         self.rank = rank
@@ -161,9 +205,15 @@ class Writer:
         self.staging = staging if staging is not None else staging_buffer()
         self.final = self.root / step_dir_name(step)
         self.tmp = self.root / f".{step_dir_name(step)}.tmp"
+        if node_local and gather is None:
+            raise ValueError("a node-local checkpoint directory needs the all-gather of the file lists")
+        self.node_local, self.gather = node_local, gather
+        self.leader = local_rank == 0 if node_local else rank == 0
+        """Whether this rank prepares, commits and prunes its (node's) checkpoint directory."""
+        self.written: list[str] = []  # the files this rank wrote (or adopted)
 
     def begin(self) -> None:
-        if self.rank == 0:
+        if self.leader:
             self.root.mkdir(parents=True, exist_ok=True)
             if self.tmp.exists():
                 shutil.rmtree(self.tmp)  # left by a save that was killed
@@ -190,6 +240,7 @@ class Writer:
         hashed here, by the rank that wrote it, so that no rank reads another's shards to commit."""
         f = self.tmp / name
         (self.tmp / f".{name}.sha256").write_text(f"{sha256_file(f)} {f.stat().st_size}\n")
+        self.written.append(name)
 
     @contextlib.contextmanager
     def _open(self, name: str) -> Iterator[_FileWriter]:
@@ -203,35 +254,51 @@ class Writer:
             raise
         out.close()
         (self.tmp / f".{name}.sha256").write_text(f"{out.digest.hexdigest()} {out.size}\n")
+        self.written.append(name)
+
+    def _entry(self, p: Path) -> dict[str, Any]:
+        """The manifest's entry of file `p` (from its sidecar, which goes), checked against the disk."""
+        side = self.tmp / f".{p.name}.sha256"
+        digest, size = side.read_text().split() if side.exists() else (sha256_file(p), p.stat().st_size)
+        if int(size) != p.stat().st_size:
+            raise CheckpointFailure(f"{p}: {p.stat().st_size} bytes on disk, {size} written; refusing to commit")
+        side.unlink(missing_ok=True)
+        return {"size": int(size), "sha256": digest}
 
     def commit(self) -> Path:
         self.barrier()  # every rank has written and fsynced its files
-        if self.rank == 0:
-            files = {}
-            for p in sorted(self.tmp.iterdir()):
-                if not p.is_file() or (p.name.startswith(".") and p.name != DCP_METADATA):
-                    continue
-                side = self.tmp / f".{p.name}.sha256"
-                digest, size = side.read_text().split() if side.exists() else (sha256_file(p), p.stat().st_size)
-                if int(size) != p.stat().st_size:
-                    raise CheckpointFailure(f"{p}: {p.stat().st_size} bytes on disk, {size} written;"
-                                            " refusing to commit")
-                files[p.name] = {"size": int(size), "sha256": digest}
-                side.unlink(missing_ok=True)
-            self.write_json(MANIFEST, {"step": self.step, "created": time.time(), "files": files})
-            (self.tmp / f".{MANIFEST}.sha256").unlink(missing_ok=True)
-            _fsync_dir(self.tmp)
-            if self.final.exists():  # same step saved again after a resume: replace it, marker first
-                uncommit(self.final)
-                shutil.rmtree(self.final)
-            os.rename(self.tmp, self.final)
-            marker = self.final / f".{COMMIT_MARKER}.tmp"
-            marker.write_text(f"{self.step}\n")
-            os.replace(marker, self.final / COMMIT_MARKER)
-            _fsync_dir(self.final)
-            _fsync_dir(self.root)
+        if self.node_local:
+            # Each rank lists its own files; every node's leader gets the whole list (the same manifest).
+            mine = {"created": time.time(), "files": {n: self._entry(self.tmp / n) for n in self.written}}
+            shares = self.gather(mine)
+            files = {name: meta for share in shares for name, meta in share["files"].items()}
+            if self.leader:
+                held = sorted(n for n in files if (self.tmp / n).is_file())
+                self._finish({"step": self.step, "created": shares[0]["created"], "files": files}, held)
+        elif self.rank == 0:
+            files = {p.name: self._entry(p) for p in sorted(self.tmp.iterdir())
+                     if p.is_file() and not (p.name.startswith(".") and p.name != DCP_METADATA)}
+            self._finish({"step": self.step, "created": time.time(), "files": files}, None)
         self.barrier()
         return self.final
+
+    def _finish(self, manifest: dict[str, Any], held: list[str] | None) -> None:
+        """The leader's part: the manifest (and what this node holds), the rename, the marker last."""
+        self.write_json(MANIFEST, manifest)
+        if held is not None:
+            self.write_json(LOCAL_FILES, {"files": held})
+        for name in (MANIFEST, LOCAL_FILES):
+            (self.tmp / f".{name}.sha256").unlink(missing_ok=True)
+        _fsync_dir(self.tmp)
+        if self.final.exists():  # same step saved again after a resume: replace it, marker first
+            uncommit(self.final)
+            shutil.rmtree(self.final)
+        os.rename(self.tmp, self.final)
+        marker = self.final / f".{COMMIT_MARKER}.tmp"
+        marker.write_text(f"{self.step}\n")
+        os.replace(marker, self.final / COMMIT_MARKER)
+        _fsync_dir(self.final)
+        _fsync_dir(self.root)
 
 
 def uncommit(path: Path) -> None:
@@ -259,7 +326,7 @@ def prune(root: Path, *, keep_last: int, keep: set[int] = frozenset(), log: Call
             cut = i + 1
             break
         try:
-            _verify_once(done[i], memo)
+            _verify_once(done[i], memo)  # a node-local directory: the files this node holds
             kept += 1
         except CheckpointFailure as exc:
             log(f"checkpoint not counted towards keep_last: {exc}")
@@ -275,7 +342,7 @@ def prune(root: Path, *, keep_last: int, keep: set[int] = frozenset(), log: Call
 
 def _verify_once(path: Path, memo: dict[Path, tuple] | None) -> None:
     if memo is None:
-        verify(path)
+        verify(path, held_only=True)
         return
     try:
         ident = tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in ((path / COMMIT_MARKER).stat(),
@@ -283,5 +350,5 @@ def _verify_once(path: Path, memo: dict[Path, tuple] | None) -> None:
     except OSError:
         ident = None
     if ident is None or memo.get(path) != ident:
-        verify(path)
+        verify(path, held_only=True)
         memo[path] = ident

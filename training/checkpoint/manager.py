@@ -43,7 +43,9 @@ class CheckpointManager:
         self.snapshot = Snapshot(pin=dist.device.type == "cuda")
         self.saver = AsyncSaver(self.root, rank=dist.rank, barrier=dist.ckpt_barrier,
                                 idle=cfg.writer_priority == "idle", on_written=self._written,
-                                keep_last=cfg.keep_last, log=log)
+                                keep_last=cfg.keep_last, log=log, local_rank=dist.local_rank,
+                                node_local=cfg.node_local and dist.enabled,
+                                gather=lambda obj: gather_json(obj, dist.ckpt_group))
         self.last_save = time.monotonic()
 
     # -- saving ------------------------------------------------------------------------------------
@@ -263,3 +265,19 @@ class CheckpointManager:
             self.model.load_state_dict(model_sd)
             if optim_sd is not None:
                 self.optimizer.load_state_dict(optim_sd)
+
+
+def gather_json(obj: Any, group: Any) -> list[Any]:
+    """Every rank's JSON value `obj`, in rank order, on every rank (collective over `group`): as UTF-8
+    bytes in tensors, so that nothing a peer sends is unpickled."""
+    import torch
+    import torch.distributed as dist
+
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n) for n in sizes)
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, torch.cat([data, torch.zeros(longest - data.numel(), dtype=torch.uint8)]), group=group)
+    return [json.loads(t[:int(n)].numpy().tobytes().decode()) for t, n in zip(out, sizes)]

@@ -37,8 +37,9 @@ class AsyncSaver:
 
     def __init__(self, root: Path, *, rank: int, barrier: Callable[[], Any], keep_last: int,
                  log: Callable[[str], Any] = print, idle: bool = False,
-                 on_written: Callable[[int, float], Any] | None = None):
+                 on_written: Callable[[int, float], Any] | None = None, **writer: Any):
         self.root = Path(root)
+        self.writer = writer  # the Writer's node_local, local_rank and gather (commit.Writer)
         self.rank = rank
         self.barrier = barrier
         self.keep_last = keep_last
@@ -70,7 +71,7 @@ class AsyncSaver:
         if self.idle and threading.current_thread() is self._thread:
             _set_policy(0, "SCHED_IDLE")
         try:
-            w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self._staging)
+            w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self._staging, **self.writer)
             w.begin()
             if shards is not None:
                 with GATE:
@@ -84,7 +85,7 @@ class AsyncSaver:
                 with GATE:
                     w.write_json(name, obj)
             self.last_path = w.commit()
-            if self.rank == 0:
+            if w.leader:  # each node prunes its own disk where the directories are node-local
                 prune(self.root, keep_last=self.keep_last, keep=keep, log=self.log, memo=self._verified)
             if self.on_written is not None:
                 self.on_written(step, time.monotonic() - t0)

@@ -101,6 +101,9 @@ class DataConfig(LoaderSettings):
 class CheckpointConfig(CheckpointSettings):
     directory: str = Field(min_length=1)
     """Where this run's checkpoints are committed (shared by every try)."""
+    node_local: bool = False
+    """`directory` is this node's own (a cluster node on object storage): each node commits its own ranks'
+    files there, with the whole manifest (training.checkpoint.commit); the node pushes them to storage."""
     init_weights: str | None = None
     """A tensor file of model weights to start from when there is no checkpoint to resume (a warm
     start from a published model); loaded without unpickling."""
