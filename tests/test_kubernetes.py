@@ -259,11 +259,17 @@ def test_a_node_count_beyond_what_the_job_expresses_is_refused():
 
 
 @pytest.mark.unit
-def test_several_nodes_on_s3_storage_are_refused_before_any_checkpoint_is_half_committed():
-    from ballast.errors import SpecError
-
-    with pytest.raises(SpecError, match=r"storage\.uri: a 4-node try on kubernetes commits each checkpoint from every"):
-        k8s_spec(nodes=4, s3=True)
+def test_several_nodes_on_s3_storage_are_accepted_and_each_pod_pushes_its_own_share():
+    # Each node pushes its own ranks' shards and node 0 commits once every share is in storage
+    # (tests/test_multinode_s3.py), so s3:// storage no longer takes one node only.
+    spec = k8s_spec(nodes=4, s3=True)
+    assert spec.training.nodes == 4 and spec.storage.uri.startswith("s3://")
+    service, job = docs(spec, launch(spec))
+    for doc in (service, job):
+        validate(doc)
+    js = job["spec"]
+    assert js["completionMode"] == "Indexed" and js["completions"] == js["parallelism"] == 4
+    assert "storage" not in {v["name"] for v in js["template"]["spec"]["volumes"]}  # S3: nothing shared to mount
 
 
 # --- failure reasons, from pod statuses as clusters report them -------------------------------------

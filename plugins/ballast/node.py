@@ -9,9 +9,12 @@ changes only its directories (`node_config`). Each node then, on its own:
    (`ballast.stages.warm_cache.warm`), every stage before training starts;
 2. finds the checkpoints: with a shared file system (storage is a path every node sees, as on a Slurm
    cluster) training commits straight into the run's checkpoint directory; with object storage the
-   node pulls the checkpoint it resumes from (only that one) and pushes each newly committed one back
-   (files, then manifest, then the COMMITTED marker; storage pruned to keep_last), while training runs
-   and once it ends;
+   node pulls the checkpoint it resumes from (only that one, every file of it) and pushes each newly
+   committed one back (files, then manifest, then the COMMITTED marker; storage pruned to keep_last),
+   while training runs and once it ends. With several nodes each node's directory holds its own ranks'
+   files (`checkpoint.node_local`): every node pushes its share, and node 0 writes the manifest and
+   the marker once every share is in storage (`ballast.storage.checkpoints.push`), waiting at most
+   COMMIT_WAIT_SECONDS for the other nodes' last shares once training ended;
 3. runs the torchrun launcher (`ballast.training.torchrun`) with the c10d rendezvous endpoint of node 0
    ($BALLAST_RDZV_ENDPOINT) and exits with its exit code, after its failure record and summary are in
    storage.
@@ -40,6 +43,9 @@ from ballast.launch import NODE_RANK_ENV, RDZV_ENV
 
 log = logging.getLogger("ballast.node")
 SYNC_SECONDS = 10.0
+COMMIT_WAIT_SECONDS = 60.0
+"""How long node 0 waits, once training ended, for the other nodes' last shares before it gives up
+committing those checkpoints in storage (never a marker over a missing shard)."""
 
 
 class NodeJob(BaseModel):
@@ -137,35 +143,37 @@ def run(job: NodeJob, rank: int) -> int:
         pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir)
         log.info("checkpoints from storage: %s (what this node resumes from, no more)", ", ".join(pulled) or "none")
     config_path = out_dir / f"run-node{rank}.json"
-    node_config(job, out_dir=out_dir, checkpoint_dir=ckpt_dir, data_dir=cache.cache_dir,
-                data_format=cache.format).dump(config_path)
+    node_config(job, out_dir=out_dir, checkpoint_dir=ckpt_dir, data_dir=cache.cache_dir, data_format=cache.format,
+                node_local=not shared and spec.training.nodes > 1).dump(config_path)
     argv = torchrun_argv(spec, config_path, rdzv_endpoint=os.environ.get(RDZV_ENV), run_id=job.name)
     log.info("launching: %s", " ".join(argv))
     env = {**os.environ, "BALLAST_HOST": host}
     proc = subprocess.Popen(argv, env=env)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, lambda s, _f: proc.send_signal(s))  # a preemption notice reaches the ranks
-    syncer = None if shared or rank != 0 else _Syncer(ctx, ckpt_dir)
+    syncer = None if shared else _Syncer(ctx, ckpt_dir, rank)
     rc = proc.wait()
     if syncer is not None:
         syncer.stop()
-        checkpoint_sync.push(ctx, ckpt_dir)
-        push_outputs(ctx, out_dir)
+        checkpoint_sync.push(ctx, ckpt_dir, node=rank, wait=COMMIT_WAIT_SECONDS if rank == 0 else 0.0)
+        if rank == 0:
+            push_outputs(ctx, out_dir)
     log.info("launcher exited %d", rc)
     return rc
 
 
-def node_config(job: NodeJob, *, out_dir: Path, checkpoint_dir: Path, data_dir: str, data_format: str):
-    """The job's run config with this node's directories (and the format its cache holds): every
-    setting, the try's adapted micro-batch included, is the one the train task wrote; nothing in the
-    node's environment changes it."""
+def node_config(job: NodeJob, *, out_dir: Path, checkpoint_dir: Path, data_dir: str, data_format: str,
+                node_local: bool = False):
+    """The job's run config with this node's directories (and the format its cache holds; `node_local`:
+    the checkpoint directory is this node's own, one of several): every setting, the try's adapted
+    micro-batch included, is the one the train task wrote; nothing in the node's environment changes it."""
     from ballast.training.config.run import RunConfig
 
     cfg = RunConfig.model_validate(job.run_config)
     return cfg.model_copy(update={
         "output_dir": str(out_dir),
         "data": cfg.data.model_copy(update={"directory": data_dir, "format": data_format}),
-        "checkpoint": cfg.checkpoint.model_copy(update={"directory": str(checkpoint_dir)})})
+        "checkpoint": cfg.checkpoint.model_copy(update={"directory": str(checkpoint_dir), "node_local": node_local})})
 
 
 def outputs_prefix(run_key: str, try_number: int) -> str:
@@ -181,15 +189,15 @@ def push_outputs(ctx, out_dir: Path) -> None:
 
 
 class _Syncer(threading.Thread):
-    def __init__(self, ctx, ckpt_dir: Path):
+    def __init__(self, ctx, ckpt_dir: Path, node: int):
         super().__init__(name="checkpoint-sync", daemon=True)
-        self.ctx, self.ckpt_dir, self._done = ctx, ckpt_dir, threading.Event()
+        self.ctx, self.ckpt_dir, self.node, self._done = ctx, ckpt_dir, node, threading.Event()
         self.start()
 
     def run(self) -> None:
         while not self._done.wait(SYNC_SECONDS):
             try:
-                checkpoint_sync.push(self.ctx, self.ckpt_dir)
+                checkpoint_sync.push(self.ctx, self.ckpt_dir, node=self.node)
             except Exception as exc:  # noqa: BLE001  (the next round, or the final push, tries again)
                 log.warning("checkpoint upload failed (will retry): %s", exc)
 

@@ -121,10 +121,6 @@ class Spec(Section):
             raise ValueError(f"execution.kubernetes.storage_claim: storage.uri is a path ({self.storage.uri!r}) that"
                              f" training pods cannot see; name a ReadWriteMany PersistentVolumeClaim holding it, or"
                              f" use s3:// storage")
-        if backend != "local" and s3 and self.training.nodes > 1:
-            raise ValueError(f"storage.uri: a {self.training.nodes}-node try on {backend} commits each checkpoint from"
-                             f" every node, which needs storage every node sees as a file system (a path; on"
-                             f" Kubernetes with execution.kubernetes.storage_claim); s3:// storage takes one node")
         leaves: dict[str, str] = {}
         for path in self.overridable:
             resolve_field(path, Spec)  # raises ValueError naming the path

@@ -13,12 +13,24 @@ file the manifest lists is present (`stored_files`); the push verified it, the p
 Storage is pruned as the disk is (`checkpoint.keep_last`, besides the best one), and a node pulls only
 what it resumes from (`pull_for_resume`): a long run neither fills the bucket nor a restarted pod's disk.
 Removing or replacing a checkpoint in storage takes its marker away first.
+
+Several nodes, each with a checkpoint directory of its own (`checkpoint.node_local`): each node's disk
+holds its own ranks' files and the whole manifest (`training.checkpoint.commit`). Every node pushes the
+files it holds (data first), then `PUSHED-node<k>.json` (the sha256 of the manifest it pushed for, and
+its files); node 0 alone writes manifest.json, then COMMITTED, and only once every file the manifest
+names is in storage with its size and every one of them came with a node's PUSHED record for this very
+manifest (a file of an earlier save of the same step does not count). Until then the checkpoint stays
+uncommitted in storage: a crash between two nodes' pushes leaves the previous checkpoint the newest
+committed one. Node 0 takes a replaced checkpoint's marker down first; another node does not push over
+a committed checkpoint with another manifest, it waits for that. A node resuming pulls every file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +40,7 @@ from ballast.storage import Storage, safe_join
 
 
 PULLING = ".pulling"  # where a pulled checkpoint waits for its check, beside the checkpoints
+PUSHED = "PUSHED-node{node}.json"  # a node's record that its files of a checkpoint are in storage
 
 
 def _prefix(ctx: RunContext) -> str:
@@ -56,10 +69,16 @@ def stored_files(storage: Storage, prefix: str, name: str) -> list[str] | None:
         listed = sorted(files)
     except (StorageError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if any("/" in f or f.startswith(".") or f in (ckpt.MANIFEST, ckpt.COMMIT_MARKER) or f not in present
-           for f in listed):
+    if any("/" in f or (f.startswith(".") and f != ckpt.DCP_METADATA) or f in (ckpt.MANIFEST, ckpt.COMMIT_MARKER)
+           or not _present(storage, base, f, present) for f in listed):
         return None
     return [*listed, ckpt.MANIFEST, ckpt.COMMIT_MARKER]
+
+
+def _present(storage: Storage, base: str, name: str, listing: set[str]) -> bool:
+    """Whether checkpoint file `name` is in storage: in the listing, or (DCP's `.metadata`, which
+    listings leave out as they leave out every dot name) found by its key."""
+    return name in listing or (name.startswith(".") and storage.exists(base + name))
 
 
 def pull_for_resume(ctx: RunContext, ckpt_dir: Path) -> list[str]:
@@ -121,30 +140,111 @@ def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path, check: Ca
     return True
 
 
-def push(ctx: RunContext, ckpt_dir: Path) -> list[str]:
+def push(ctx: RunContext, ckpt_dir: Path, *, node: int = 0, wait: float = 0.0) -> list[str]:
     """Committed checkpoints of this disk not yet in storage, each once it verifies: files first, then
     manifest.json, then COMMITTED. One that storage holds with another manifest (the same step saved
-    again after a resume) is replaced, its marker in storage removed first. Then storage is pruned."""
+    again after a resume) is replaced, its marker in storage removed first. Then storage is pruned.
+
+    A node-local directory (several nodes): this node's files and its PUSHED record; node 0 commits once
+    every node's share is there, waiting up to `wait` seconds for it (0: look once, the next push looks
+    again). Returns the checkpoints committed in storage by this call."""
     from ballast.training import checkpoint as ckpt
 
-    prefix, done = _prefix(ctx), []
+    prefix, done, deadline = _prefix(ctx), [], time.monotonic() + wait
     for path in ckpt.committed(ckpt_dir):
         base = f"{prefix}{path.name}/"
         if _pushed(ctx.storage, base, path):
             continue
         try:
-            files = list(ckpt.verify(path)["files"])
+            manifest = ckpt.verify(path, held_only=True)
+            held = ckpt.held_files(path)
         except ckpt.CheckpointFailure as exc:
             ctx.log.warning("checkpoint not uploaded: %s", exc)
             continue
-        _remove(ctx.storage, base, keep=set(files))
-        for name in sorted(files) + [ckpt.MANIFEST, ckpt.COMMIT_MARKER]:
-            ctx.storage.upload(path / name, base + name)
+        files = sorted(manifest["files"])
+        if held is None and node != 0:
+            continue  # a whole checkpoint pulled here: node 0 holds it too, and it alone commits in storage
+        if held is None:  # the whole checkpoint on this disk (one node, or a pulled one)
+            _remove(ctx.storage, base, keep=set(files))
+            for name in files + [ckpt.MANIFEST, ckpt.COMMIT_MARKER]:
+                ctx.storage.upload(path / name, base + name)
+        elif not _push_share(ctx, base, path, sorted(held), node=node, deadline=deadline):
+            continue
         done.append(ctx.storage.describe(base.rstrip("/")))
         ctx.log.info("checkpoint uploaded: %s", ctx.storage.describe(base.rstrip("/")))
     if done:
         prune(ctx)
     return done
+
+
+def _digest(path: Path) -> str:
+    from ballast.training import checkpoint as ckpt
+
+    return hashlib.sha256((path / ckpt.MANIFEST).read_bytes()).hexdigest()
+
+
+def _push_share(ctx: RunContext, base: str, path: Path, held: list[str], *, node: int, deadline: float) -> bool:
+    """This node's files of a node-local checkpoint, then its PUSHED record; on node 0 the commit in
+    storage once every share is there (True: committed by this call)."""
+    from ballast.training import checkpoint as ckpt
+
+    storage, digest = ctx.storage, _digest(path)
+    if storage.exists(base + ckpt.COMMIT_MARKER):  # committed with another manifest: an earlier save of this step
+        if node != 0:
+            return False  # node 0 takes that one's marker down first; pushed over it, a reader would see a mix
+        storage.delete(base + ckpt.COMMIT_MARKER)
+        storage.delete(base + ckpt.MANIFEST)
+    record = base + PUSHED.format(node=node)
+    if _record(storage, record) != digest:
+        for name in held:
+            storage.upload(path / name, base + name)
+        storage.write_bytes(record, json.dumps({"manifest": digest, "files": held, "node": node}).encode())
+        ctx.log.info("checkpoint share pushed: %d file(s) of %s from node %d", len(held),
+                     storage.describe(base.rstrip("/")), node)
+    if node != 0:
+        return False
+    while True:
+        missing = _missing(storage, base, path, digest)
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            ctx.log.info("checkpoint %s not committed in storage yet: %d file(s) of other nodes missing (%s)",
+                         path.name, len(missing), ", ".join(missing[:4]))
+            return False
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    storage.upload(path / ckpt.MANIFEST, base + ckpt.MANIFEST)
+    storage.upload(path / ckpt.COMMIT_MARKER, base + ckpt.COMMIT_MARKER)
+    return True
+
+
+def _record(storage: Storage, key: str) -> str | None:
+    """The manifest digest a PUSHED record was written for (None: no readable record)."""
+    try:
+        return json.loads(storage.read_bytes(key))["manifest"]
+    except (StorageError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _missing(storage: Storage, base: str, path: Path, digest: str) -> list[str]:
+    """The files of the checkpoint's manifest that storage does not hold yet for this manifest: not
+    named by a node's PUSHED record for it, or not there with the manifest's size."""
+    from ballast.training import checkpoint as ckpt
+
+    files = json.loads((path / ckpt.MANIFEST).read_text())["files"]
+    present = set(storage.list_dir(base))
+    covered: set[str] = set()
+    for name in present:
+        if name.startswith("PUSHED-node") and name.endswith(".json"):
+            try:
+                rec = json.loads(storage.read_bytes(base + name))
+            except (StorageError, ValueError):
+                continue
+            if isinstance(rec, dict) and rec.get("manifest") == digest and isinstance(rec.get("files"), list):
+                covered.update(f for f in rec["files"] if isinstance(f, str))
+    missing = [f for f in sorted(files) if f not in covered or not _present(storage, base, f, present)]
+    if missing:
+        return missing
+    return [f for f in sorted(files) if storage.size(base + f) != files[f]["size"]]
 
 
 def _pushed(storage: Storage, base: str, path: Path) -> bool:
@@ -200,6 +300,6 @@ def _remove(storage: Storage, base: str, *, keep: set[str] = frozenset()) -> Non
     from ballast.training import checkpoint as ckpt
 
     storage.delete(base + ckpt.COMMIT_MARKER)
-    for key in list(storage.list(base)):
+    for key in [*storage.list(base), base + ckpt.DCP_METADATA]:  # listings leave out dot names
         if key[len(base):] not in keep:
             storage.delete(key)

@@ -1,0 +1,247 @@
+"""Multi-node training on S3 storage: each node's checkpoint directory holds its own ranks' shards and
+the whole manifest (training.checkpoint.commit, node-local), each node pushes its own share and node 0
+writes the manifest and COMMITTED in storage only once every share is there (ballast.storage.checkpoints);
+a node resuming pulls every shard, each checked against the manifest's size and sha256.
+
+The integration tests run the commit protocol's ranks as threads (two nodes of two ranks each, the
+gather over a barrier) against a real S3 server on loopback (moto); the end-to-end test trains under
+FSDP on the real Slurm cluster (tests/slurm_cluster.py): 2 nodes x 1 CPU rank, S3 on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+from ballast.training import checkpoint as ckpt
+
+RANKS_PER_NODE, NODES = 2, 2
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from helpers import free_port
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def ctx(s3_endpoint, monkeypatch, tmp_path):
+    import boto3
+
+    from ballast.pipeline.context import RunContext
+    from ballast.spec import parse_spec
+    from helpers import example_data
+
+    for key, value in {"AWS_ENDPOINT_URL_S3": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"multinode-{tmp_path.name.lower().replace('_', '-')}"[:60]
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    d = example_data()
+    d["storage"]["uri"] = f"s3://{bucket}/store"
+    d["training"]["checkpoint"] = {"every_steps": 10, "keep_last": 5}
+    c = RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id="r1")
+    c.log = logging.getLogger("test_multinode_s3")
+    return c
+
+
+def _shard(step: int, rank: int, version: int = 0) -> bytes:
+    return hashlib.sha256(f"{step}/{rank}/{version}".encode()).digest() * (64 + rank)
+
+
+def save_on_nodes(roots: list[Path], step: int, version: int = 0) -> None:
+    """One sharded checkpoint saved by NODES x RANKS_PER_NODE ranks (threads), each node committing into
+    its own directory `roots[node]`: every rank its shard, rank 0 also DCP's .metadata and trainer.json."""
+    world = NODES * RANKS_PER_NODE
+    barrier = threading.Barrier(world)
+    shares: list = [None] * world
+    errors: list[BaseException] = []
+
+    def gather(rank: int):
+        def all_gather(obj):
+            shares[rank] = obj
+            barrier.wait()
+            out = list(shares)
+            barrier.wait()
+            return out
+        return all_gather
+
+    def rank_main(rank: int) -> None:
+        try:
+            w = ckpt.Writer(roots[rank // RANKS_PER_NODE], step, rank=rank, barrier=barrier.wait,
+                            local_rank=rank % RANKS_PER_NODE, node_local=True, gather=gather(rank))
+            w.begin()
+            (w.tmp / f"__{rank}_0.distcp").write_bytes(_shard(step, rank, version))
+            w.adopt(f"__{rank}_0.distcp")
+            if rank == 0:
+                (w.tmp / ".metadata").write_bytes(_shard(step, -1, version))
+                w.adopt(".metadata")
+                w.write_json("trainer.json", {"step": step})
+            w.write_json(f"rng-rank{rank}.json", {"rank": rank})
+            w.commit()
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the test's thread)
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+
+
+def node_files(node: int) -> set[str]:
+    ranks = range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
+    own = {f"__{r}_0.distcp" for r in ranks} | {f"rng-rank{r}.json" for r in ranks}
+    return own | ({".metadata", "trainer.json"} if node == 0 else set())
+
+
+def _base(ctx, step: int) -> str:
+    return f"{ctx.run_key}/checkpoints/{ckpt.step_dir_name(step)}/"
+
+
+def _stored(ctx, base: str) -> set[str]:
+    """The files under a checkpoint's prefix in storage (listings leave out DCP's .metadata: asked by key)."""
+    return set(ctx.storage.list_dir(base)) | ({".metadata"} if ctx.storage.exists(base + ".metadata") else set())
+
+
+@pytest.mark.integration
+def test_each_node_commits_its_own_shards_under_the_whole_manifest(tmp_path):
+    roots = [tmp_path / f"node{n}" for n in range(NODES)]
+    save_on_nodes(roots, 10)
+    every = set().union(*(node_files(n) for n in range(NODES)))
+    manifests = []
+    for n, root in enumerate(roots):
+        path = root / "step-00000010"
+        assert ckpt.is_committed(path)
+        held = {p.name for p in path.iterdir()} - {ckpt.MANIFEST, ckpt.COMMIT_MARKER, ckpt.LOCAL_FILES}
+        assert held == node_files(n)  # only this node's ranks' files on this node's disk
+        assert ckpt.held_files(path) == node_files(n)
+        manifest = ckpt.verify(path, held_only=True)
+        assert set(manifest["files"]) == every  # ...under the manifest of the whole checkpoint
+        manifests.append((path / ckpt.MANIFEST).read_bytes())
+        with pytest.raises(ckpt.CheckpointFailure, match="holds only this node's files"):
+            ckpt.verify(path)  # never resumed from, nor passed by the gate, as a whole checkpoint
+    assert manifests[0] == manifests[1]  # the same bytes on every node: node 0 commits what every node pushed for
+    shard = roots[1] / "step-00000010" / "__3_0.distcp"
+    shard.write_bytes(b"x" * shard.stat().st_size)
+    with pytest.raises(ckpt.CheckpointFailure, match=r"__3_0\.distcp: sha256 does not match"):
+        ckpt.verify(shard.parent, held_only=True)
+    # Pruning on each node's disk judges what that node holds.
+    save_on_nodes(roots, 20)
+    save_on_nodes(roots, 30)
+    for root in roots:
+        ckpt.prune(root, keep_last=2)
+        assert [p.name for p in ckpt.committed(root)] == ["step-00000020", "step-00000030"]
+
+
+@pytest.mark.integration
+def test_s3_push_and_pull_of_shards_per_node_with_the_marker_after_every_shard(ctx, tmp_path):
+    from ballast.storage import checkpoints as sync
+
+    roots = [tmp_path / f"node{n}" for n in range(NODES)]
+    save_on_nodes(roots, 10)
+    base = _base(ctx, 10)
+    # Node 0 first: its share goes up, the marker does not (node 1's shards are not there yet).
+    assert sync.push(ctx, roots[0], node=0) == []
+    keys = _stored(ctx, base)
+    assert node_files(0) <= keys and ckpt.COMMIT_MARKER not in keys and ckpt.MANIFEST not in keys
+    assert sync.push(ctx, roots[1], node=1) == []  # another node never commits
+    assert ckpt.COMMIT_MARKER not in set(ctx.storage.list_dir(base))
+    assert sync.push(ctx, roots[0], node=0) == [ctx.storage.describe(base.rstrip("/"))]
+    files = sync.stored_files(ctx.storage, f"{ctx.run_key}/checkpoints/", "step-00000010")
+    every = set().union(*(node_files(n) for n in range(NODES)))
+    assert files is not None and set(files[:-2]) == every and files[-2:] == [ckpt.MANIFEST, ckpt.COMMIT_MARKER]
+    records = [json.loads(ctx.storage.read_bytes(base + f"PUSHED-node{n}.json")) for n in range(NODES)]
+    digest = hashlib.sha256((roots[0] / "step-00000010" / ckpt.MANIFEST).read_bytes()).hexdigest()
+    assert [(r["manifest"], set(r["files"])) for r in records] == [(digest, node_files(n)) for n in range(NODES)]
+    assert sync.push(ctx, roots[0], node=0) == [] and sync.push(ctx, roots[1], node=1) == []  # already there
+
+    # Pulled for a resume: every shard of every node, each checked against the manifest, a whole checkpoint.
+    fresh = tmp_path / "resume"
+    assert sync.pull(ctx, fresh, newest=1) == ["step-00000010"]
+    pulled = fresh / "step-00000010"
+    ckpt.verify(pulled)
+    assert ckpt.held_files(pulled) is None
+    for n, root in enumerate(roots):
+        for name in node_files(n):
+            assert (pulled / name).read_bytes() == (root / "step-00000010" / name).read_bytes()
+
+
+@pytest.mark.integration
+def test_a_crash_between_shard_pushes_leaves_no_marker_and_the_previous_checkpoint_valid(ctx, tmp_path):
+    from ballast.storage import checkpoints as sync
+
+    roots = [tmp_path / f"node{n}" for n in range(NODES)]
+    save_on_nodes(roots, 10)
+    sync.push(ctx, roots[1], node=1)
+    sync.push(ctx, roots[0], node=0)
+    save_on_nodes(roots, 20)
+    # Node 1 dies after its first shard of step 20 is in storage (no second shard, no PUSHED record).
+    real_upload, uploaded = ctx.storage.upload, []
+
+    def dying_upload(local, key):
+        if uploaded:
+            raise KeyboardInterrupt("node 1 killed")
+        real_upload(local, key)
+        uploaded.append(key)
+
+    ctx.storage.upload = dying_upload
+    with pytest.raises(KeyboardInterrupt):
+        sync.push(ctx, roots[1], node=1)
+    ctx.storage.upload = real_upload
+    assert len(uploaded) == 1 and uploaded[0].startswith(_base(ctx, 20))
+    # Node 0 waits for it a bounded time, says what is missing, and writes no marker over the gap.
+    assert sync.push(ctx, roots[0], node=0, wait=1.5) == []
+    assert ckpt.COMMIT_MARKER not in set(ctx.storage.list_dir(_base(ctx, 20)))
+    fresh = tmp_path / "resume"
+    assert sync.pull(ctx, fresh, newest=1) == ["step-00000010"]  # the previous checkpoint is the valid one
+
+    # A shard of the same size but other bytes (node 1's file left from the crash, rewritten): still no
+    # marker, since no PUSHED record of node 1 covers it for this manifest.
+    name = uploaded[0].rsplit("/", 1)[-1]
+    ctx.storage.write_bytes(_base(ctx, 20) + "__3_0.distcp", b"y" * len(_shard(20, 3)))
+    assert sync.push(ctx, roots[0], node=0) == []
+    assert ckpt.COMMIT_MARKER not in set(ctx.storage.list_dir(_base(ctx, 20))), name
+
+    # Node 1 comes back and pushes its share: node 0 commits step 20, which a resume then pulls whole.
+    sync.push(ctx, roots[1], node=1)
+    assert sync.push(ctx, roots[0], node=0) == [ctx.storage.describe(_base(ctx, 20).rstrip("/"))]
+    assert sync.pull(ctx, tmp_path / "resume2", newest=1) == ["step-00000020"]
+
+    # A shard damaged in storage after the commit (same size): the pull's check refuses step 20.
+    ctx.storage.write_bytes(_base(ctx, 20) + "__2_0.distcp", b"z" * len(_shard(20, 2)))
+    assert sync.pull(ctx, tmp_path / "resume3", newest=1) == ["step-00000010"]
+
+
+@pytest.mark.integration
+def test_the_same_step_saved_again_is_recommitted_only_once_every_node_pushed_the_new_one(ctx, tmp_path):
+    from ballast.storage import checkpoints as sync
+
+    roots = [tmp_path / f"node{n}" for n in range(NODES)]
+    save_on_nodes(roots, 10)
+    sync.push(ctx, roots[1], node=1)
+    sync.push(ctx, roots[0], node=0)
+    old = ctx.storage.read_bytes(_base(ctx, 10) + "__2_0.distcp")
+    later = [tmp_path / f"later{n}" for n in range(NODES)]  # the next try's directories
+    save_on_nodes(later, 10, version=1)
+    # Node 1 does not push over a committed checkpoint with another manifest: node 0 takes it down first.
+    assert sync.push(ctx, later[1], node=1) == []
+    assert ctx.storage.read_bytes(_base(ctx, 10) + "__2_0.distcp") == old
+    assert sync.push(ctx, later[0], node=0) == []  # marker down, its share up, node 1's not there yet
+    assert ckpt.COMMIT_MARKER not in set(ctx.storage.list_dir(_base(ctx, 10)))
+    sync.push(ctx, later[1], node=1)
+    assert sync.push(ctx, later[0], node=0) == [ctx.storage.describe(_base(ctx, 10).rstrip("/"))]
+    assert sync.pull(ctx, tmp_path / "resume", newest=1) == ["step-00000010"]
+    assert (tmp_path / "resume" / "step-00000010" / "__2_0.distcp").read_bytes() == _shard(10, 2, 1)
