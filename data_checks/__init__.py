@@ -13,9 +13,10 @@ an earlier row's text), which `text_length` (row-level) and `duplicate_share` (t
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 SUITES_DIR = Path(__file__).parent / "suites"
 
@@ -104,29 +105,41 @@ def expectations_for(rules: Iterable[dict], *, array_columns: dict[str, int],
     return out
 
 
-def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: str = "ballast",
-        row_indices: bool = False, text_columns: Iterable[str] = ()) -> Report:
-    """Validate a pandas DataFrame (with derived array columns) against rules; never raises on bad data.
-
-    Runs a GX Checkpoint whose UpdateDataDocsAction renders the Data Docs site (Report.docs_dir).
-    With row_indices, failures of row-level expectations carry every failing row's index.
-    """
+def gx_context() -> Any:
+    """An ephemeral GX context, quiet: no analytics, no progress bars in task logs."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")  # no network here; no phoning home anyway
     os.environ.setdefault("TQDM_DISABLE", "1")              # progress bars clutter task logs
     import great_expectations as gx
-
     from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    # Progress bars clutter task logs; TQDM_DISABLE alone is missed when tqdm was imported earlier.
+    context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
+    return context
+
+
+def pandas_batch_definition(context: Any, name: str) -> Any:
+    source = context.data_sources.add_pandas(name=f"{name}_source")
+    asset = source.add_dataframe_asset(name=f"{name}_frame")
+    return asset.add_batch_definition_whole_dataframe(f"{name}_batch")
+
+
+def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: str = "ballast",
+        row_indices: bool = False, text_columns: Iterable[str] = ()) -> Report:
+    """Validate a whole pandas DataFrame (with derived array columns) at once; never raises on bad data.
+
+    The one-shot path, for data that fits in memory (ballast.data_checks.combine validates in batches
+    and gives this result). Runs a GX Checkpoint whose UpdateDataDocsAction renders the Data Docs site
+    (Report.docs_dir). With row_indices, failures of row-level expectations carry every failing row's index.
+    """
+    import great_expectations as gx
 
     for r in rules:
         col = r.get("column")
         if r["kind"] == "balance" and f"{col}__share" not in frame:
             frame = frame.assign(**{f"{col}__share": frame[col].map(frame[col].value_counts(normalize=True))})
-    context = gx.get_context(mode="ephemeral")
-    # Progress bars clutter task logs; TQDM_DISABLE alone is missed when tqdm was imported earlier.
-    context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
-    source = context.data_sources.add_pandas(name=f"{name}_source")
-    asset = source.add_dataframe_asset(name=f"{name}_frame")
-    batch_def = asset.add_batch_definition_whole_dataframe(f"{name}_batch")
+    context = gx_context()
+    batch_def = pandas_batch_definition(context, name)
     suite = context.suites.add(gx.ExpectationSuite(name=f"{name}_suite"))
     for exp in expectations_for(rules, array_columns=array_columns, text_columns=text_columns):
         suite.add_expectation(exp)
@@ -138,6 +151,11 @@ def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: s
         actions=[gx.checkpoint.UpdateDataDocsAction(name="data_docs")], result_format=result_format))
     run_result = checkpoint.run(batch_parameters={"dataframe": frame})
     (result,) = run_result.run_results.values()
+    return report_of(result, rows=len(frame), docs_dir=docs_dir(context))
+
+
+def report_of(result: Any, *, rows: int, docs_dir: Path | None) -> Report:
+    """A Report from GX's suite validation result: each failed expectation with its count and examples."""
     failures = []
     for res in result.results:
         if res.success:
@@ -151,18 +169,23 @@ def run(frame: Any, rules: list[dict], *, array_columns: dict[str, int], name: s
             detail = f"observed {info['observed_value']}, expected {_bounds(kwargs)}"
         else:
             detail = f"expected {_bounds(kwargs)}"
-        rows = info.get("unexpected_index_list")
+        indices = info.get("unexpected_index_list")
         failures.append(Failure(expectation=cfg.type, column=kwargs.get("column"), detail=detail,
                                 unexpected_count=info.get("unexpected_count"),
                                 examples=list(info.get("partial_unexpected_list") or [])[:5],
-                                rows=[int(i) for i in rows] if rows is not None else None))
+                                rows=[int(i) for i in indices] if indices is not None else None))
+    return Report(success=bool(result.success), evaluated=len(result.results), failures=failures, rows=rows,
+                  docs_dir=docs_dir)
+
+
+def docs_dir(context: Any) -> Path | None:
+    """The local folder of the context's Data Docs site, if it has one."""
     docs = None
     for site in context.get_docs_sites_urls():
         url = site.get("site_url") or ""
         if url.startswith("file://"):
             docs = Path(url[len("file://"):]).parent
-    return Report(success=bool(result.success), evaluated=len(result.results), failures=failures, rows=len(frame),
-                  docs_dir=docs)
+    return docs
 
 
 def _bounds(kwargs: dict) -> str:

@@ -10,8 +10,8 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from ballast.pipeline.context import RunContext
 from ballast.errors import DataError
+from ballast.pipeline.context import RunContext
 from ballast.spec import DatasetSpec, FieldSpec
 from ballast.storage import S3Storage, ballast_home, resolve_local, safe_join
 
@@ -58,32 +58,6 @@ def fingerprint_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def read_table(paths: list[Path], dataset: DatasetSpec, skip: tuple[str, ...] = ()) -> Any:
-    """Read the raw files into one Arrow table holding exactly the spec's fields (but `skip`: a text
-    column, streamed by text_stats_of instead); DataError names the file."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    tables = []
-    columns = [f.name for f in dataset.fields if f.name not in skip]
-    for p in paths:
-        try:
-            schema = pq.read_schema(p)
-        except Exception as exc:  # ArrowInvalid for truncated / non-Parquet files
-            raise DataError(f"{p}: not a readable Parquet file ({exc})") from exc
-        problems = check_schema(schema, dataset.fields)
-        if problems:
-            raise DataError(f"{p}: " + "; ".join(problems))
-        try:
-            tables.append(pq.read_table(p, columns=columns))
-        except Exception as exc:
-            raise DataError(f"{p}: cannot read ({exc})") from exc
-    try:
-        return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
-    except pa.ArrowInvalid as exc:
-        raise DataError(f"{paths[0].parent}: raw files disagree on their schema ({exc})") from exc
-
-
 def check_schema(schema: Any, fields: tuple[FieldSpec, ...]) -> list[str]:
     import pyarrow as pa
 
@@ -116,8 +90,8 @@ def _type_ok(t: Any, want: str) -> bool:
 
 
 def array_values(table: Any, f: FieldSpec) -> tuple[Any, Any]:
-    """(values, lengths) of an array column: flat numpy values and the per-row element count (-1 = null)."""
-    import numpy as np
+    """(values, lengths) of an array column: flat numpy values in the column's own dtype (a uint8 image
+    stays uint8: no float64 copy) and the per-row element count (-1 = null)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -125,13 +99,13 @@ def array_values(table: Any, f: FieldSpec) -> tuple[Any, Any]:
     if pa.types.is_fixed_size_list(col.type):
         col = col.cast(pa.list_(col.type.value_type))
     lengths = pc.fill_null(pc.list_value_length(col), -1).to_numpy(zero_copy_only=False)
-    values = pc.list_flatten(col).to_numpy(zero_copy_only=False)
-    return values.astype(np.float64, copy=False) if values.dtype != np.float64 else values, lengths
+    return pc.list_flatten(col).to_numpy(zero_copy_only=False), lengths
 
 
 def check_frame(table: Any, dataset: DatasetSpec, text: tuple[Any, Any] | None = None) -> tuple[Any, dict[str, int]]:
-    """A pandas frame for validation: scalar columns as they are, array columns as derived columns, the
-    text column as its derived columns (`text`: text_stats_of's, when the table does not hold it)."""
+    """A pandas frame for validation (of one batch): scalar columns as they are, array columns as derived
+    columns (per-row min/max as float64, reduced from the values in their own dtype), the text column as its
+    derived columns (`text`: text_batch_stats's, with the digests of earlier batches)."""
     import numpy as np
     import pandas as pd
 
@@ -139,7 +113,7 @@ def check_frame(table: Any, dataset: DatasetSpec, text: tuple[Any, Any] | None =
     arrays: dict[str, int] = {}
     for f in dataset.fields:
         if f.name == dataset.text:
-            lengths, dup = text if text is not None else text_stats(table.column(f.name))
+            lengths, dup = text if text is not None else text_batch_stats(table.column(f.name), set())
             data[f"{f.name}__len"], data[f"{f.name}__dup"] = lengths, dup
             continue
         if not f.shape:
@@ -157,11 +131,12 @@ def check_frame(table: Any, dataset: DatasetSpec, text: tuple[Any, Any] | None =
         maxs = np.full(n, np.nan)
         finite = np.ones(n, dtype=bool)
         if values.size:
-            # Reduce per row; NaN propagates into min/max, so finiteness is taken from the values themselves.
+            # Reduce per row in the values' dtype (only the per-row results become float64); NaN propagates
+            # into min/max, so finiteness is taken from the values themselves (integers are always finite).
             mins[nonempty] = np.minimum.reduceat(values, starts[nonempty])
             maxs[nonempty] = np.maximum.reduceat(values, starts[nonempty])
-            bad = ~np.isfinite(values)
-            if bad.any():
+            bad = ~np.isfinite(values) if values.dtype.kind == "f" else None
+            if bad is not None and bad.any():
                 finite[nonempty] = np.add.reduceat(bad.astype(np.int64), starts[nonempty]) == 0
         data[f"{f.name}__len"] = pd.Series(np.where(lengths < 0, np.nan, lengths))
         data[f"{f.name}__min"] = mins
@@ -170,66 +145,22 @@ def check_frame(table: Any, dataset: DatasetSpec, text: tuple[Any, Any] | None =
     return pd.DataFrame(data), arrays
 
 
-def text_stats_of(paths: list[Path], column: str, batch_rows: int = 1024) -> tuple[Any, Any]:
-    """text_stats of a text column read a batch at a time, never the whole corpus: lengths in characters
-    (NaN for null) and whether a document repeats an earlier one (by a 16-byte BLAKE2b of its text)."""
+def text_batch_stats(column: Any, seen: set[bytes]) -> tuple[Any, Any]:
+    """Per row of a batch of a text column: its length in characters (NaN for null) and whether it repeats
+    the text of an earlier row, of this batch or of one before (`seen`: 16-byte BLAKE2b digests of the
+    texts so far, updated; the documents themselves are not kept)."""
     import hashlib
 
-    import numpy as np
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    lengths, dup, seen = [], [], set()
-    for p in paths:
-        try:
-            for batch in pq.ParquetFile(p).iter_batches(batch_size=batch_rows, columns=[column]):
-                col = batch.column(0)
-                lengths.append(pc.utf8_length(col).to_numpy(zero_copy_only=False).astype(np.float64))
-                flags = np.zeros(len(col), dtype=bool)
-                for i, text in enumerate(col.to_pylist()):
-                    if text is None:
-                        continue
-                    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
-                    flags[i] = digest in seen
-                    seen.add(digest)
-                dup.append(flags)
-        except Exception as exc:  # truncated files surface here, mid-read
-            raise DataError(f"{p}: cannot read {column!r} ({exc})") from exc
-    if not lengths:
-        return np.zeros(0), np.zeros(0, dtype=bool)
-    return np.concatenate(lengths), np.concatenate(dup)
-
-
-def text_rows(paths: list[Path], column: str, rows: Any, batch_rows: int = 1024) -> Any:
-    """The text of the given global rows (sorted int64), read a batch at a time: an Arrow string array."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out, start = [], 0
-    for p in paths:
-        for batch in pq.ParquetFile(p).iter_batches(batch_size=batch_rows, columns=[column]):
-            ids = np.arange(start, start + batch.num_rows)
-            start += batch.num_rows
-            keep = np.isin(ids, rows)
-            if keep.any():
-                out.append(batch.column(0).filter(pa.array(keep)))
-    return pa.concat_arrays(out) if out else pa.array([], pa.string())
-
-
-def text_stats(column: Any) -> tuple[Any, Any]:
-    """Per row of a text column: its length in characters (NaN for null) and whether it repeats an
-    earlier row's text (dictionary codes: the first row of each distinct text is the original)."""
     import numpy as np
     import pyarrow.compute as pc
 
     col = column.combine_chunks() if hasattr(column, "combine_chunks") else column
     lengths = pc.utf8_length(col).to_numpy(zero_copy_only=False).astype(np.float64)
-    codes = pc.fill_null(pc.dictionary_encode(col).indices, -1).to_numpy(zero_copy_only=False)
-    dup = np.zeros(len(codes), dtype=bool)
-    if len(codes):
-        _, first = np.unique(codes, return_index=True)
-        dup[:] = True
-        dup[first] = False
-        dup[codes < 0] = False
+    dup = np.zeros(len(col), dtype=bool)
+    for i, text in enumerate(col.to_pylist()):
+        if text is None:
+            continue
+        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+        dup[i] = digest in seen
+        seen.add(digest)
     return lengths, dup

@@ -14,9 +14,9 @@ import shutil
 import time
 from pathlib import Path
 
-from ballast.pipeline.context import RunContext
+from ballast.data.raw import fingerprint_files, raw_files
 from ballast.errors import DataError, SpecError
-from ballast.data.raw import check_frame, fingerprint_files, raw_files, read_table, text_rows, text_stats_of
+from ballast.pipeline.context import RunContext
 from ballast.records import Quarantine, ValidateResult
 from ballast.spec import RuleSpec
 from ballast.spec.validation import TEXT_RULES
@@ -63,7 +63,6 @@ def rules_for(ctx: RunContext) -> list[dict]:
 
 
 def run(ctx: RunContext) -> ValidateResult:
-    from ballast import data_checks
     from ballast.spec.loading import check_model_options
 
     check_model_options(ctx.spec, source=ctx.spec_file or ctx.spec.name)  # before any data is read
@@ -76,15 +75,9 @@ def run(ctx: RunContext) -> ValidateResult:
         tok = load_tokenizer(ctx)  # a missing or unreadable tokenizer fails before any data is read
         ctx.log.info("tokenizer: %s (vocabulary %d, end-of-text id %d)", tok.describe, tok.vocab_size, tok.eot_id)
     files = raw_files(ctx)
-    text = ctx.spec.dataset.text
-    # A text column is streamed into its derived columns, never held whole (a corpus may be large).
-    table = read_table(files, ctx.spec.dataset, skip=(text,) if text else ())
-    frame, arrays = check_frame(table, ctx.spec.dataset, text_stats_of(files, text) if text else None)
-    n_rows = len(frame)
-    ctx.log.info("validating %d rows from %d file(s) with %d rules", n_rows, len(files), len(rules))
     quarantine = v.on_failure == "quarantine"
-    report = data_checks.run(frame, rules, array_columns=arrays, name=ctx.spec.name, row_indices=quarantine,
-                             text_columns=[ctx.spec.dataset.text] if ctx.spec.dataset.text else [])
+    report = _report(ctx, files, rules, quarantine)
+    n_rows = report.rows
     result = ValidateResult(
         rows=n_rows,
         files=[str(p) for p in files],
@@ -108,10 +101,27 @@ def run(ctx: RunContext) -> ValidateResult:
         ctx.save_result("validate", result)
         raise DataError(f"{where}: table-level expectations failed, which quarantining rows cannot fix: "
                         + "; ".join(f.line() for f in table_level))
-    return result.model_copy(update={"quarantine": _quarantine(ctx, table, report, result, files)})
+    return result.model_copy(update={"quarantine": _quarantine(ctx, report, result, files)})
 
 
-def _quarantine(ctx: RunContext, table, report, result: ValidateResult, files: list[Path]) -> Quarantine:
+def _report(ctx: RunContext, files: list[Path], rules: list[dict], row_indices: bool):
+    """Run the rules over the raw files a bounded batch at a time."""
+    from ballast.data.validate_batches import array_columns, check_files, frames
+
+    ds = ctx.spec.dataset
+    rows = sum(check_files(files, ds))
+    texts = [ds.text] if ds.text else []
+    ctx.log.info("validating %d rows from %d file(s) with %d rules in bounded batches", rows, len(files), len(rules))
+    from ballast.data_checks.combine import BatchValidation
+
+    checker = BatchValidation(rules, array_columns=array_columns(ds), text_columns=texts, name=ctx.spec.name,
+                              row_indices=row_indices)
+    for offset, frame in frames(files, ds):
+        checker.add(frame, offset)
+    return checker.finish()
+
+
+def _quarantine(ctx: RunContext, report, result: ValidateResult, files: list[Path]) -> Quarantine:
     """Set the failing rows aside in a quarantine file; fail if there are more than allowed."""
     import io
 
@@ -132,11 +142,9 @@ def _quarantine(ctx: RunContext, table, report, result: ValidateResult, files: l
         ctx.save_result("validate", result)
         raise DataError(f"validation.max_bad_fraction: {len(bad)} of {total} rows ({fraction:.2%}) fail"
                         f" expectations, more than the {v.max_bad_fraction:.2%} allowed; {report.summary()}")
-    text = ctx.spec.dataset.text
-    rows = table.take(pa.array(bad)) if table.num_columns else pa.table({})
-    if text:  # the text column was streamed, not held: its failing rows are read back alone
-        rows = rows.append_column(text, text_rows(files, text, bad)) if rows.num_columns else \
-            pa.table({text: text_rows(files, text, bad)})
+    from ballast.data.validate_batches import rows_at
+
+    rows = rows_at(files, ctx.spec.dataset, bad)  # read back alone, a batch at a time; the data is never held
     rows = rows.append_column("_row", pa.array(bad)).append_column(
         "_failed", pa.array(["; ".join(reasons[int(i)]) for i in bad]))
     buf = io.BytesIO()
@@ -149,7 +157,7 @@ def _quarantine(ctx: RunContext, table, report, result: ValidateResult, files: l
     ctx.log.warning("quarantined %d of %d rows (%.2f%%, limit %.2f%%) into %s; the other rows go on", len(bad),
                     total, 100 * fraction, 100 * v.max_bad_fraction,
                     ctx.storage.describe(f"{prefix}/rows.parquet"))
-    return Quarantine(rows=int(len(bad)), fraction=round(fraction, 6), file=f"{prefix}/rows.parquet",
+    return Quarantine(rows=len(bad), fraction=round(fraction, 6), file=f"{prefix}/rows.parquet",
                       row_ids_key=f"{prefix}/row_ids.npy")
 
 

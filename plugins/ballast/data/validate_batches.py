@@ -1,0 +1,114 @@
+"""The raw data for validation, one bounded batch at a time, never the whole input.
+
+Batches are read with `ParquetFile.iter_batches`, in file order, at most `max_rows` rows and about
+`max_bytes` of decoded data each (the row size is estimated from the Parquet footer's uncompressed
+column sizes). Each batch becomes a frame of scalar and derived columns (`raw.check_frame`: array
+values reduced per row in their own dtype, never widened to float64; a text column's length and
+whether it repeats an earlier document, by a set of 16-byte digests that spans the batches).
+Quarantined rows are read back the same way, by their global row number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ballast.data.raw import check_frame, check_schema, text_batch_stats
+from ballast.errors import DataError
+from ballast.spec import DatasetSpec
+
+BATCH_ROWS = 65536
+BATCH_BYTES = 32 << 20
+
+
+def check_files(paths: list[Path], dataset: DatasetSpec) -> list[int]:
+    """Every file's footer read and its schema checked against the spec; returns their row counts."""
+    import pyarrow.parquet as pq
+
+    rows = []
+    for p in paths:
+        try:
+            meta = pq.read_metadata(p)
+        except Exception as exc:  # ArrowInvalid for truncated / non-Parquet files
+            raise DataError(f"{p}: not a readable Parquet file ({exc})") from exc
+        problems = check_schema(meta.schema.to_arrow_schema(), dataset.fields)
+        if problems:
+            raise DataError(f"{p}: " + "; ".join(problems))
+        rows.append(meta.num_rows)
+    return rows
+
+
+def array_columns(dataset: DatasetSpec) -> dict[str, int]:
+    """Each array field's element count, as the `shape` rule expects it."""
+    return {f.name: math.prod(f.shape) for f in dataset.fields if f.shape and f.name != dataset.text}
+
+
+def batch_rows_of(pf: Any, columns: list[str], max_rows: int, max_bytes: int) -> int:
+    """Rows per batch for this file: max_rows, fewer where its rows are large (by the footer's sizes)."""
+    meta = pf.metadata
+    if meta.num_rows == 0:
+        return max_rows
+    wanted, size = set(columns), 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            if col.path_in_schema.split(".", 1)[0] in wanted:
+                size += col.total_uncompressed_size
+    per_row = max(1, size // meta.num_rows)
+    return max(1, min(max_rows, max_bytes // per_row))
+
+
+def batches(paths: list[Path], dataset: DatasetSpec, *, columns: list[str] | None = None,
+            max_rows: int = BATCH_ROWS, max_bytes: int = BATCH_BYTES) -> Iterator[tuple[int, Any]]:
+    """(global row number of its first row, Arrow table) per batch, in file order; at least one batch
+    (empty, with the spec's columns) when the files hold no rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = columns if columns is not None else [f.name for f in dataset.fields]
+    offset, schema = 0, None
+    for p in paths:
+        try:
+            pf = pq.ParquetFile(p)
+            schema = schema or pf.schema_arrow
+            size = batch_rows_of(pf, columns, max_rows, max_bytes)
+            for batch in pf.iter_batches(batch_size=size, columns=columns):
+                yield offset, pa.Table.from_batches([batch])
+                offset += batch.num_rows
+        except DataError:
+            raise
+        except Exception as exc:  # truncated files surface here, mid-read
+            raise DataError(f"{p}: cannot read ({exc})") from exc
+    if offset == 0:
+        empty = pa.schema([schema.field(c) for c in columns]) if schema is not None else pa.schema([])
+        yield 0, empty.empty_table()
+
+
+def frames(paths: list[Path], dataset: DatasetSpec, *, max_rows: int = BATCH_ROWS,
+           max_bytes: int = BATCH_BYTES) -> Iterator[tuple[int, Any]]:
+    """(offset, pandas frame of validation columns) per batch: raw.check_frame of each batch."""
+    text = dataset.text
+    seen: set[bytes] = set()
+    for offset, table in batches(paths, dataset, max_rows=max_rows, max_bytes=max_bytes):
+        stats = text_batch_stats(table.column(text), seen) if text else None
+        frame, _ = check_frame(table, dataset, stats)
+        yield offset, frame
+
+
+def rows_at(paths: list[Path], dataset: DatasetSpec, rows: Any, *, max_rows: int = BATCH_ROWS,
+            max_bytes: int = BATCH_BYTES) -> Any:
+    """The given global rows (sorted int64) of every field, read back a batch at a time: an Arrow table."""
+    import numpy as np
+    import pyarrow as pa
+
+    out = []
+    for offset, table in batches(paths, dataset, max_rows=max_rows, max_bytes=max_bytes):
+        lo, hi = np.searchsorted(rows, [offset, offset + table.num_rows])
+        if hi > lo:
+            out.append(table.take(pa.array(rows[lo:hi] - offset)))
+    if not out:
+        return next(batches(paths, dataset, max_rows=1, max_bytes=max_bytes))[1].slice(0, 0)
+    return pa.concat_tables(out, promote_options="permissive")
