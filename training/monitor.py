@@ -163,6 +163,11 @@ class Metrics:
         self.out_dir = out_dir
         self.rank = rank
         self.events_path = out_dir / EVENTS
+        self.curves: Any = None  # rank 0's bounded history of the curves (`training.curves`), for the view
+        if rank == 0:
+            from ballast.training.curves import CurveRecorder
+
+            self.curves = CurveRecorder(out_dir)
         self.port = None
         self._server: Any = None
         self._g: dict[str, Any] = {}
@@ -223,7 +228,9 @@ class Metrics:
         return bound
 
     def close(self) -> None:
-        """Stop serving (the process's end does too)."""
+        """Write the curves' history; stop serving (the process's end does too)."""
+        if self.curves is not None:
+            self.curves.flush()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -261,8 +268,11 @@ class Metrics:
             return
         from ballast.training.outputs import Event, write_event
 
-        write_event(self.events_path, Event.model_validate({"event": name, "time": time.time(), "step": step,
+        at = time.time()
+        write_event(self.events_path, Event.model_validate({"event": name, "time": at, "step": step,
                                                             "rank": self.rank, **fields}))
+        if self.curves is not None:
+            self.curves.event(name, step, at, fields)
 
 
 def memory_bytes(device) -> int:

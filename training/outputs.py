@@ -7,6 +7,7 @@ config (`training.config`) is the contract in.
 | `failure.json`, `failure-rank<R>.json` | `FailureRecord` | the first rank to fail, then the others | no    |
 | `metrics.jsonl`                     | `Event`         | rank 0, one line an event         | yes         |
 | `heartbeat`                         | `Heartbeat`     | rank 0, about once a second       | text        |
+| `curves.json`                       | `curves.CurveHistory` | rank 0, every 15 s and at rarer events | no |
 | `trainer.json` (in a checkpoint)    | `TrainerState`  | rank 0 at each save               | no          |
 
 Each file is written by one `write_*` function and read by one `read_*` (or `parse_*`) function here;
@@ -211,6 +212,75 @@ def parse_event(line: bytes | str) -> Event | None:
         return Event.model_validate(data)
     except ValidationError:
         return None
+
+
+def parse_events(lines: list[bytes]) -> tuple[list[dict[str, Any]], int]:
+    """Many `metrics.jsonl` lines at once, as `parse_event(line).model_dump()` would give each with its
+    non-finite numbers as None, and the number of lines it would refuse: the same contract, decoded in
+    one pass (a long run's view reads tens of thousands of lines). A strict decoder (msgspec's, where
+    installed: it refuses NaN and numbers beyond a float's range, so every number it returns is
+    finite) takes the lines of the common shape; a line it refuses or of an unusual shape goes through
+    `parse_event` itself. Blank lines are neither."""
+    lines = [line for line in lines if line.strip()]
+    decode = _strict_decoder()
+    decoded: list[Any] = []
+    if decode is not None and lines:
+        try:  # all at once; the last line may be one being written
+            decoded = decode(b"[" + b",".join(lines[:-1]) + b"]")
+        except ValueError:
+            decoded = []
+        if len(decoded) == len(lines) - 1:
+            decoded.append(_or_none(decode, lines[-1]))
+        else:  # a damaged or NaN line among them: one by one
+            decoded = [_or_none(decode, line) for line in lines]
+    out, bad = [], 0
+    for line, data in zip(lines, decoded or [None] * len(lines)):
+        if type(data) is dict and _plain(data):
+            data.setdefault("event", "")
+            data.setdefault("rank", 0)
+            if type(data["time"]) is int:
+                data["time"] = float(data["time"])
+            data["version"] = data.pop("version", VERSION)
+            out.append(data)
+            continue
+        parsed = parse_event(line)
+        if parsed is None:
+            bad += 1
+            continue
+        out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                    for k, v in parsed.model_dump().items()})
+    return out, bad
+
+
+def _strict_decoder() -> Any:
+    try:
+        import msgspec
+    except ImportError:  # the training image may not have it: every line goes through parse_event
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return msgspec.json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise ValueError(str(exc)) from exc
+
+    return decode
+
+
+def _or_none(decode: Any, line: bytes) -> Any:
+    try:
+        return decode(line)
+    except ValueError:
+        return None
+
+
+def _plain(data: dict) -> bool:
+    """The common shape `Event` takes as it is: an int or float step and time, an int rank and version,
+    a str event (each where present); else `parse_event` decides."""
+    step, at = data.get("step"), data.get("time")
+    return ((type(step) is int or type(step) is float) and (type(at) is int or type(at) is float)
+            and type(data.get("event", "")) is str and type(data.get("rank", 0)) is int
+            and type(data.get("version", VERSION)) is int)
 
 
 def read_events(out_dir: Path, since: float = 0.0) -> list[Event]:

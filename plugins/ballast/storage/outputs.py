@@ -1,7 +1,7 @@
 """A try's progress files to remote storage, for readers that only see storage (the stability view).
 
 Where the run's storage is a file system, the trainers write their event log and heartbeat there and
-nothing is copied. With S3, `OutputsUpload` copies `metrics.jsonl`, `heartbeat` and `summary.json` from
+nothing is copied. With S3, `OutputsUpload` copies `metrics.jsonl`, `curves.json`, `heartbeat` and `summary.json` from
 the try's local output directory to `runs/<dag>/<run>/train/` every `interval` seconds while it trains,
 and once more when it stops.
 """
@@ -12,9 +12,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ballast.training.curves import CURVES
 from ballast.training.outputs import EVENTS, HEARTBEAT, SUMMARY
 
-FILES = (EVENTS, HEARTBEAT, SUMMARY)  # what the view reads of a try, named by the trainer's contract
+FILES = (EVENTS, CURVES, HEARTBEAT, SUMMARY)  # what the view reads of a try, named by the trainer's contract
 
 
 def upload_outputs(ctx: Any, out_dir: Path) -> list[str]:

@@ -8,7 +8,6 @@ model accepts, or unreadable), with the problem in one line.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,18 +67,10 @@ class Reader:
         lines = data.split(b"\n")
         if self.states[name] == "partial":
             lines = lines[1:]  # the first line was cut by the bounded read
-        from ballast.training.outputs import parse_event  # the trainer's declared event line
+        from ballast.training.outputs import parse_events  # the trainer's declared event line
 
-        out, bad = [], 0
-        for line in lines:
-            if not line.strip():
-                continue
-            event = parse_event(line)
-            if event is None:
-                bad += 1  # a line being written, or damage, or no finite step and time
-                continue
-            out.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                        for k, v in event.model_dump().items()})
+        # A line being written, or damage, or one without a finite step and time, is a bad one.
+        out, bad = parse_events(lines)
         if bad:
             self.states[name] = "partial"
             self.problems[name] = f"{bad} unreadable line(s) skipped"

@@ -12,7 +12,6 @@ Pure functions of a `Storage` and a clock: the app (`ballast.ui.app`) caches the
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 import time
@@ -33,9 +32,10 @@ from ballast.records import (
     WarmCacheResult,
 )
 from ballast.storage import Storage
+from ballast.ui.curves import MAX_POINTS, curve_history, curves
+from ballast.ui.curves import finite as _finite
 from ballast.ui.reader import Reader
 
-MAX_POINTS = 2000  # per curve: longer runs are thinned evenly (spikes are always kept)
 TRAIN_TASKS = "train"
 MAX_LISTED_RUNS = 20_000  # a pipeline page lists its runs' names (one entry each) up to this many
 
@@ -64,6 +64,7 @@ def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None
     publish = r.record("stages/publish.json", PublishResult)
     history = _history(r, attempts)
     events = r.jsonl("train/metrics.jsonl")
+    stored_curves = curve_history(r)
     heartbeat = _heartbeat(r.raw("train/heartbeat", 256))
     effective = r.record("spec.json", EffectiveSpec)
     spec_data = effective.spec if effective is not None else None
@@ -75,7 +76,7 @@ def run_summary(storage: Storage, dag_id: str, run_id: str, *, now: float | None
         "recovery": _recovery(history, now=None if finished else now),
         "tries": _tries(history),
         "checkpoints": _checkpoints(storage, prefix, verify),
-        "curves": _curves(events),
+        "curves": curves(events, stored_curves),
         "validation_curve": _validation_curve(events, spec_data),
         "step_time": _step_time(events),
         "progress": _progress(events, heartbeat, history, convert, spec_data, train, now=now, finished=finished),
@@ -173,36 +174,6 @@ def _checkpoints(storage: Storage, prefix: str, verify: VerifyResult | None) -> 
         verified = sorted({verify.last.path.rstrip("/").rsplit("/", 1)[-1], verify.best.path.rstrip("/").rsplit("/", 1)[-1]})
         quarantined = sorted(set(quarantined) | {q.rstrip("/").rsplit("/", 1)[-1] for q in verify.quarantined})
     return {"committed": sorted(committed), "verified": verified, "quarantined": sorted(quarantined)}
-
-
-def _steps(events: list[dict]) -> list[dict]:
-    """Rank 0's step events, the last one of each step (a resumed try logs the steps after its
-    checkpoint again), in step order."""
-    last: dict[int, dict] = {}
-    for e in events:
-        if e.get("event") == "step" and e.get("rank", 0) == 0:
-            last[e["step"]] = e
-    return [last[k] for k in sorted(last)]
-
-
-def _curves(events: list[dict]) -> dict[str, Any]:
-    steps = _steps(events)
-    spikes: dict[tuple, dict] = {}  # every rank logs an anomaly it sees: one mark per step and kind
-    for e in events:
-        if e.get("event") == "anomaly":
-            kind = e.get("kind") if isinstance(e.get("kind"), str) else None  # a damaged line draws a mark of no kind
-            mark = {"step": e["step"], "kind": kind, "loss": _finite(e.get("loss")), "zscore": _finite(e.get("zscore"))}
-            spikes.setdefault((e["step"], kind), mark)
-    keep = _thin(len(steps), MAX_POINTS)
-    pts = [steps[i] for i in keep]
-
-    def col(name: str) -> list[float | None]:
-        return [_finite(p.get(name)) for p in pts]
-
-    return {"step": [p["step"] for p in pts], "time": [p.get("time") for p in pts], "loss": col("loss"),
-            "grad_norm": col("grad_norm"), "learning_rate": col("lr"), "loss_scale": col("loss_scale"),
-            "spikes": sorted(spikes.values(), key=lambda m: m["step"]), "points": len(steps), "shown": len(pts),
-            "resumes": [e["step"] for e in events if e.get("event") == "resume"]}
 
 
 def _validation_curve(events: list[dict], spec: dict | None) -> dict[str, Any] | None:
@@ -353,16 +324,6 @@ def _history(r: Reader, attempts: list[str]) -> AttemptHistory | None:
         return None
     attempts = sorted((a for h in histories for a in h.attempts), key=lambda a: a.started)
     return AttemptHistory(task_id=histories[0].task_id if len(histories) == 1 else TRAIN_TASKS, attempts=attempts)
-
-
-def _finite(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
-
-
-def _thin(n: int, most: int) -> list[int]:
-    if n <= most:
-        return list(range(n))
-    return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
 
 
 def _children(storage: Storage, directory: str, *, limit: int | None = None) -> list[str]:

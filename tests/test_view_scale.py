@@ -1,0 +1,252 @@
+"""The stability view over a long run: the trainer's bounded history of the curves (`training.curves`:
+exact per-bucket count, min, max and mean after any number of merges, O(buckets) for any run length),
+the view reading at most the last 16 MiB of the event log beside it, the whole run's curves joined from
+both with the early anomalies and resumes still marked, and the event lines decoded in one pass as the
+trainer's contract reads them one by one."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.unit
+
+DAG, RUN = "ballast_demo", "manual__2026-12-05T00_00_00"
+
+
+def _feed(history, steps, values):
+    from ballast.training.curves import SERIES
+
+    for i, step in enumerate(steps):
+        history.add_step(int(step), 1000.0 + i, {name: values[name][i] for name in SERIES})
+
+
+def test_bucket_min_max_mean_are_exact_after_merges():
+    from ballast.training.curves import BUCKETS, SERIES, CurveHistory
+
+    rng = np.random.default_rng(0)
+    steps = np.cumsum(rng.integers(1, 40, size=30_000))  # uneven logging, well past BUCKETS buckets
+    values = {name: rng.normal(size=steps.size) * 10.0 ** rng.integers(-3, 3, size=steps.size) for name in SERIES}
+    values["loss"][::997] = np.nan  # non-finite values are in no bucket
+    values["lr"][5000:5100] = np.inf
+    h = CurveHistory()
+    _feed(h, steps, {k: v.tolist() for k, v in values.items()})
+    assert h.span & (h.span - 1) == 0 and h.span > 1 and len(h.time) <= BUCKETS  # merged, a power of two
+    assert steps[-1] // h.span < BUCKETS <= steps[-1] // (h.span // 2)  # the smallest span that fits
+    rows = h.buckets()
+    assert rows and all(r["first"] // h.span == r["last"] // h.span for r in rows)
+    covered = 0
+    for row in rows:
+        start = row["first"] // h.span * h.span
+        inside = (steps >= start) & (steps <= start + h.span - 1)
+        assert steps[inside].size and row["first"] == steps[inside][0]
+        assert row["last"] == min(start + h.span - 1, steps[-1])
+        covered += int(inside.sum())
+        for name in SERIES:
+            v = values[name][inside]
+            v = v[np.isfinite(v)]
+            if not v.size:
+                assert name not in row
+                continue
+            got = row[name]
+            assert got["n"] == v.size and got["min"] == v.min() and got["max"] == v.max()
+            assert math.isclose(got["mean"], float(v.mean()), rel_tol=1e-9, abs_tol=1e-12)
+    assert covered == steps.size == h.steps
+
+
+def test_the_history_stays_bounded_for_a_million_logged_steps(tmp_path):
+    from ballast.training.curves import BUCKETS, CURVES, CurveHistory, read_history, write_history
+
+    h = CurveHistory()
+    sizes = {}
+    for step in range(1, 10**6 + 1):
+        h.add_step(step * 10, float(step), {"loss": 1.0 / step, "grad_norm": 1.0, "lr": 1e-3, "loss_scale": 65536.0})
+        if step in (10**4, 10**6):
+            write_history(tmp_path, h)
+            sizes[step] = (tmp_path / CURVES).stat().st_size
+    assert h.steps == 10**6 and len(h.time) <= BUCKETS
+    assert sizes[10**6] <= 1.1 * sizes[10**4] and sizes[10**6] < 256 << 10, sizes  # O(buckets), not O(steps)
+    back = read_history(tmp_path)
+    assert back is not None and back.buckets()[0]["loss"]["max"] == 1.0 and back.steps == 10**6
+
+
+def test_repeats_after_a_resume_are_skipped_and_marks_are_bounded():
+    from ballast.training.curves import MAX_MARKS, CurveHistory
+
+    h = CurveHistory()
+    for step in range(10, 110, 10):
+        h.add_step(step, 0.0, {"loss": 1.0})
+    h.add_resume(50)
+    assert not h.add_step(60, 0.0, {"loss": 99.0})  # a resumed try logs step 60 again: the first stands
+    assert h.add_step(110, 0.0, {"loss": 2.0})
+    assert max(r["loss"]["max"] for r in h.buckets()) == 2.0 and h.resumes.items == [{"step": 50}]
+    for step in range(3 * MAX_MARKS):
+        h.add_anomaly(step, "loss_spike", loss=float("nan"), zscore=4.0)
+    items = h.anomalies.items
+    assert len(items) == MAX_MARKS and h.anomalies.dropped == 2 * MAX_MARKS
+    assert items[0]["step"] == 0 and items[-1]["step"] == 3 * MAX_MARKS - 1  # the first and the newest kept
+    assert items[0]["loss"] is None and items[0]["zscore"] == 4.0
+
+
+def test_rank_zeros_metrics_write_the_history_beside_the_event_log(tmp_path):
+    from ballast.training.curves import CURVES, read_history
+    from ballast.training.monitor import Metrics
+    from ballast.training.outputs import EVENTS
+
+    m0, m1 = Metrics(out_dir=tmp_path, rank=0, port=None), Metrics(out_dir=tmp_path / "r1", rank=1, port=None)
+    for step in range(10, 60, 10):
+        m0.event("step", step, loss=1.0 / step, grad_norm=2.0, lr=0.1, loss_scale=None)
+        m1.event("step", step, loss=5.0)
+    m0.event("anomaly", 20, kind="loss_spike", loss=9.0, zscore=5.0)
+    m0.event("checkpoint", 50, reason="end")  # a rarer event writes it at once
+    h = read_history(tmp_path)
+    assert h is not None and h.steps == 5 and h.anomalies.items[0]["kind"] == "loss_spike"
+    assert sum(r["loss"]["n"] for r in h.buckets()) == 5 and "loss_scale" not in h.buckets()[0]
+    assert (tmp_path / EVENTS).is_file() and not (tmp_path / "r1" / CURVES).exists()
+    m0.event("resume", 30, path="x", seconds=0.1)
+    m0.close()
+    again = Metrics(out_dir=tmp_path, rank=0, port=None)  # the next try goes on from it
+    assert again.curves.history.steps == 5 and again.curves.history.resumes.items == [{"step": 30}]
+
+
+@pytest.mark.parametrize("line", [
+    b'{"event": "step", "time": 1.5, "step": 10, "rank": 0, "loss": 0.5, "version": 1}',
+    b'{"event": "step", "time": 2, "step": 10.5, "loss": NaN, "grad_norm": Infinity}',
+    b'{"event": "step", "time": 1.0, "step": 3, "lr": 1e999}',
+    b'{"event": "anomaly", "time": 1.0, "step": 3, "rank": 1.0, "kind": 7}',
+    b'{"time": 1.0, "step": 3, "extra": [1, 2, {"a": null}]}',
+    b'{"event": "step", "time": 1.0, "step": true}',
+    b'{"event": "step", "time": NaN, "step": 3}',
+    b'{"event": 5, "time": 1.0, "step": 3}',
+    b'{"event": "step", "time": 1.0, "step": 99999999999999999999999}',
+    b'{"event": "step", "time": 1.0, "st',
+    b'[1, 2]',
+])
+def test_event_lines_decoded_at_once_read_as_the_contract_reads_each(line):
+    from ballast.training.outputs import parse_event, parse_events
+
+    good = b'{"event": "step", "time": 1.0, "step": 1, "loss": 0.25}'
+    for lines in ([good, line, good], [good, good, line], [line]):
+        got, bad = parse_events(lines)
+        want = [e for e in (parse_event(x) for x in lines) if e is not None]
+        assert bad == len(lines) - len(want)
+        assert got == [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in e.model_dump().items()}
+                       for e in want]
+
+
+# --- the view: the log's last 16 MiB and the history -------------------------------------------------------
+
+
+class _CountingStorage:
+    """A FileStorage whose reads are counted (bytes handed out by open_read)."""
+
+    def __init__(self, inner):
+        self.inner, self.read_bytes = inner, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open_read(self, key, *args, **kwargs):
+        fh = self.inner.open_read(key, *args, **kwargs)
+        outer = self
+
+        class _Counted:
+            def __enter__(self):
+                fh.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return fh.__exit__(*exc)
+
+            def read(self, n=-1):
+                data = fh.read(n)
+                outer.read_bytes[key] = outer.read_bytes.get(key, 0) + len(data)
+                return data
+
+        return _Counted()
+
+
+def _long_run(tmp_path, steps: int, *, early_anomaly: int, resume: int):
+    """A run's train/ directory as the trainer leaves it: the event log (written with the trainer's own
+    event lines, the anomaly and resume at its start) and the history fed the same events."""
+    from ballast.storage import FileStorage
+    from ballast.training.curves import CurveRecorder
+    from ballast.training.outputs import EVENTS, Event, event_line
+    from ballast.ui.summary import run_prefix
+
+    storage = FileStorage(str(tmp_path))
+    train = tmp_path / run_prefix(storage, DAG, RUN) / "train"
+    train.mkdir(parents=True)
+    rec = CurveRecorder(train, flush_seconds=float("inf"))
+    with open(train / EVENTS, "w") as fh:
+        for i in range(1, steps + 1):
+            step, at = 10 * i, 1000.0 + i
+            fields = {"loss": 2.0 + math.sin(i / 500), "grad_norm": 1.0 + (i % 7) / 10, "lr": 1e-3, "loss_scale": 1024.0,
+                      "data_s": 0.001, "compute_s": 0.01, "comm_opt_s": 0.001, "epoch": 0}
+            extra = []
+            if step == early_anomaly:
+                extra.append(("anomaly", {"kind": "loss_spike", "loss": 40.0, "zscore": 9.0}))
+            if step == resume:
+                extra.append(("resume", {"path": "checkpoints/step-00000100", "seconds": 0.5}))
+            for name, f in [("step", fields), *extra]:
+                fh.write(event_line(Event.model_validate({"event": name, "time": at, "step": step, "rank": 0, **f})))
+                rec.event(name, step, at, f)
+    rec.flush()
+    return storage
+
+
+def test_the_view_reads_the_logs_tail_and_the_history_for_the_whole_run(tmp_path, monkeypatch):
+    from ballast.ui import reader, summary
+
+    monkeypatch.setattr(reader, "MAX_EVENTS_BYTES", 256 << 10)  # a small bound: the same arithmetic, faster
+    storage = _long_run(tmp_path, 20_000, early_anomaly=120, resume=200)
+    counted = _CountingStorage(storage)
+    s = summary.run_summary(counted, DAG, RUN)
+    log_key = next(k for k in counted.read_bytes if k.endswith("train/metrics.jsonl"))
+    assert counted.read_bytes[log_key] <= 256 << 10 < storage.size(log_key)  # only the tail was read
+    assert s["records"]["states"]["train/metrics.jsonl"] == "partial" and s["records"]["states"]["train/curves.json"] == "ok"
+    c = s["curves"]
+    hist = c["history"]
+    assert hist is not None and c["step"][0] < 200 and c["step"][-1] == 200_000  # the whole run, start to end
+    assert c["step"] == sorted(c["step"]) and len(set(c["step"])) == len(c["step"])
+    assert hist["tail_from"] > 100_000 and c["step"][hist["buckets"]] == hist["tail_from"]  # history, then the tail
+    tail_steps = (200_000 - hist["tail_from"]) // 10 + 1
+    assert c["points"] == 20_000 == hist["steps"] and c["shown"] == hist["buckets"] + min(2000, tail_steps)
+    band = c["band"]["loss"]
+    for i in range(hist["buckets"]):
+        assert band["min"][i] <= c["loss"][i] <= band["max"][i]
+    assert min(band["min"]) == pytest.approx(1.0, abs=1e-3) and max(band["max"]) == pytest.approx(3.0, abs=1e-3)
+    tail = c["loss"][hist["buckets"]:]
+    assert band["min"][hist["buckets"]:] == tail == band["max"][hist["buckets"]:]  # exact points: no band
+    assert {"step": 120, "kind": "loss_spike", "loss": 40.0, "zscore": 9.0} in c["spikes"]  # the lost head's anomaly
+    assert c["resumes"] == [200]
+    json.dumps(s, allow_nan=False)  # what the page gets is plain JSON
+
+
+@pytest.mark.parametrize("mib", [20])
+def test_the_reader_reads_at_most_16_mib_of_a_larger_log(tmp_path, mib):
+    from ballast.storage import FileStorage
+    from ballast.ui.reader import MAX_EVENTS_BYTES, Reader
+
+    assert MAX_EVENTS_BYTES == 16 << 20
+    storage = FileStorage(str(tmp_path))
+    line = '{"event": "step", "time": %d.0, "step": %d, "rank": 0, "loss": 0.5, "version": 1}\n'
+    n = (mib << 20) // len(line % (10**9, 10**9)) + 1000
+    storage.write_bytes("r/train/metrics.jsonl", "".join(line % (i, i) for i in range(n)).encode())
+    counted = _CountingStorage(storage)
+    events = Reader(counted, "r").jsonl("train/metrics.jsonl")
+    assert sum(counted.read_bytes.values()) <= MAX_EVENTS_BYTES
+    assert events[-1]["step"] == n - 1 and events[0]["step"] > 0 and len(events) < n
+    assert [e["step"] for e in events] == list(range(events[0]["step"], n))  # every line of the tail, none cut
+
+
+def test_a_run_whose_log_is_read_whole_draws_its_exact_steps_alone(tmp_path):
+    from ballast.ui import summary
+
+    storage = _long_run(tmp_path, 300, early_anomaly=20, resume=40)
+    c = summary.run_summary(storage, DAG, RUN)["curves"]
+    assert c["history"] is None and c["step"] == list(range(10, 3010, 10)) and c["points"] == c["shown"] == 300
+    assert [m["step"] for m in c["spikes"]] == [20] and c["resumes"] == [40]
