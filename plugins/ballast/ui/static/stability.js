@@ -50,10 +50,12 @@
       title: title, width: 460, height: 220,
       scales: { x: { time: !!(opts && opts.time) }, y: { distr: opts && opts.log ? 3 : 1 } },
       series: [{ label: opts && opts.xlabel ? opts.xlabel : "step" }, ...series.map((s) => ({
-        label: s.label, stroke: s.color || "#2b6cb0", width: s.points ? 0 : 1.5, spanGaps: true,
+        label: s.label, stroke: s.color || "#2b6cb0", width: s.points ? 0 : s.faint ? 0.5 : 1.5, spanGaps: true,
         points: s.points ? { show: true, size: 8, stroke: s.color, fill: s.color } : { show: false },
       }))],
     };
+    // A band between two series (their indexes in `series`, from 1): the history's per-bucket min and max.
+    if (opts && opts.band) spec.bands = [{ series: opts.band, fill: "rgba(43,108,176,0.15)" }];
     // eslint-disable-next-line no-undef
     new uPlot(spec, data, box);
     return box;
@@ -106,8 +108,11 @@
       c.quarantined.length ? " (" + c.quarantined.join(", ") + ")" : ""));
     const cv = d.curves;
     const charts = el("div", { class: "charts", id: "charts" });
-    parts.push(el("h2", {}, "Training curves"), el("p", { class: "muted" }, cv.shown + " of " + cv.points + " logged steps" +
-      (cv.spikes.length ? "; " + cv.spikes.length + " anomaly(ies) marked" : "")), charts);
+    const hist = cv.history;
+    parts.push(el("h2", {}, "Training curves"), el("p", { class: "muted", id: "curves-note" }, cv.shown + " points for " + cv.points + " logged steps" +
+      (hist ? " (before step " + hist.tail_from + ": " + hist.buckets + " spans of " + hist.span + " steps, mean with min and max)" : "") +
+      (cv.spikes.length ? "; " + cv.spikes.length + " anomaly(ies) marked" : "") +
+      (cv.resumes.length ? "; " + cv.resumes.length + " resume(s) marked" : "")), charts);
     const st = d.step_time;
     if (st) {
       const colors = { data: "#dd6b20", compute: "#2b6cb0", communication: "#805ad5" };
@@ -138,13 +143,28 @@
       // Anomalies at their own steps (a step between two logged ones gets a point of its own); a loss
       // spike is orders of magnitude above the curve: a log scale keeps both readable.
       const at = new Map(cv.spikes.map((s) => [s.step, s.loss]));
-      const xs = [...new Set([...cv.step, ...cv.spikes.map((s) => s.step)])].sort((a, b) => a - b);
-      const lossAt = new Map(cv.step.map((s, i) => [s, cv.loss[i]]));
-      const near = (s) => { let best = null; for (const [k, v] of lossAt) if (v !== null && (best === null || Math.abs(k - s) < Math.abs(best[0] - s))) best = [k, v]; return best ? best[1] : null; };
+      const resumed = new Set(cv.resumes);
+      const xs = [...new Set([...cv.step, ...cv.spikes.map((s) => s.step), ...cv.resumes])].sort((a, b) => a - b);
+      const index = new Map(cv.step.map((s, i) => [s, i]));
+      const pick = (values) => xs.map((s) => (index.has(s) ? values[index.get(s)] : null));
+      const near = (s) => { // the loss at the logged step nearest to s (binary search: the steps are sorted)
+        let lo = 0, hi = cv.step.length - 1;
+        while (hi - lo > 1) { const mid = (lo + hi) >> 1; if (cv.step[mid] < s) lo = mid; else hi = mid; }
+        const best = [lo, hi].filter((i) => cv.loss[i] !== null).sort((a, b) => Math.abs(cv.step[a] - s) - Math.abs(cv.step[b] - s));
+        return best.length ? cv.loss[best[0]] : null;
+      };
       const marks = xs.map((s) => (at.has(s) ? (at.get(s) ?? near(s)) : null));
-      charts.append(chart("loss", xs, [{ label: "loss", values: xs.map((s) => (lossAt.has(s) ? lossAt.get(s) : null)) },
-        { label: "anomaly", values: marks, color: "#c0392b", points: true }], { log: cv.spikes.some((s) => s.loss !== null) }));
-      charts.append(chart("gradient norm", cv.step, [{ label: "grad norm", values: cv.grad_norm, color: "#2f855a" }]));
+      const resumes = xs.map((s) => (resumed.has(s) ? near(s) : null));
+      const band = cv.history ? [{ label: "loss max", values: pick(cv.band.loss.max), color: "#90b4e0", faint: true },
+        { label: "loss min", values: pick(cv.band.loss.min), color: "#90b4e0", faint: true }] : [];
+      charts.append(chart("loss", xs, [{ label: "loss", values: pick(cv.loss) },
+        { label: "anomaly", values: marks, color: "#c0392b", points: true },
+        { label: "resume", values: resumes, color: "#d69e2e", points: true }, ...band],
+        { log: cv.spikes.some((s) => s.loss !== null), band: band.length ? [4, 5] : null }));
+      const gband = cv.history ? [{ label: "max", values: cv.band.grad_norm.max, color: "#9ae6b4", faint: true },
+        { label: "min", values: cv.band.grad_norm.min, color: "#9ae6b4", faint: true }] : [];
+      charts.append(chart("gradient norm", cv.step, [{ label: "grad norm", values: cv.grad_norm, color: "#2f855a" }, ...gband],
+        { band: gband.length ? [2, 3] : null }));
       if (cv.learning_rate.some((x) => x !== null)) charts.append(chart("learning rate", cv.step, [{ label: "lr", values: cv.learning_rate, color: "#805ad5" }]));
       if (cv.loss_scale.some((x) => x !== null)) charts.append(chart("loss scale", cv.step, [{ label: "loss scale", values: cv.loss_scale, color: "#dd6b20" }], { log: true }));
       const vc = d.validation_curve;
