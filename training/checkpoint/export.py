@@ -55,6 +55,7 @@ class _Source:
 def _dcp_source(path: Path) -> _Source:
     import torch
     import torch.distributed.checkpoint as dcp_api
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = dcp.metadata(path)
@@ -71,7 +72,8 @@ def _dcp_source(path: Path) -> _Source:
             dcp_api.load({dcp.MODEL: out}, storage_reader=dcp._reader(path), no_dist=True)
         except CheckpointFailure:
             raise
-        except Exception as exc:  # DCP's CheckpointException wraps what the reader raised (a damaged record)
+        except (Exception, CheckpointException) as exc:  # DCP's wraps what its reader raised (a damaged record);
+            # it derives from BaseException, not Exception
             held = ", ".join(sorted({f for n in names for f in files.get(prefix + n, ())}))
             raise CheckpointFailure(f"{path}: cannot read the shards {held} through DCP"
                                     f" ({dcp._first_line(exc)})") from exc

@@ -134,6 +134,10 @@ class EvaluationSpec(EarlyStopSettings):
     publish: Literal["always", "if_better"] = "always"
     """if_better: publish only when the new model beats the last published one on this run's test split
     (scored side by side in the evaluate task); otherwise say so and keep the old one."""
+    publish_shard_bytes: int = Field(5_000_000_000, ge=1)
+    """The largest safetensors file publish writes (transformers' default, 5 GB): a larger model is
+    published as shards `model-0000k-of-0000N.safetensors` with `model.safetensors.index.json`, read
+    from the checkpoint and written one shard at a time; a tensor larger than this gets a file alone."""
     batch_size: int = Field(256, ge=1, le=65_536)
     """Test rows read from the cache and scored per forward pass in the evaluate task: the test split
     streams in batches of this many rows (memory grows with it, not with the split) and the metrics add

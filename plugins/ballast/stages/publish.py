@@ -1,8 +1,12 @@
 """Stage 7: publish the evaluated model, its card and the run's report.
 
 Layout in storage: `models/<name>/<version>/model.safetensors` (the weights as safetensors: loadable
-without Ballast and without unpickling anything), `model_card.json` (task, metrics, data, model name,
-options and the shapes it was built for, tokenizer), for a language model its `tokenizer.json`, then the
+without Ballast and without unpickling anything), or for a model larger than one shard
+(`evaluation.publish_shard_bytes`, 5 GB by default) the shards `model-0000k-of-0000N.safetensors` and
+their index `model.safetensors.index.json` (the Hugging Face layout; written from the checkpoint one
+shard at a time, never the whole model in memory: `ballast.training.checkpoint.export`),
+`model_card.json` (task, metrics, data, model name, options and the shapes it was built for,
+tokenizer, the weights' sha256: of each file), for a language model its `tokenizer.json`, then the
 `PUBLISHED` marker, and finally `models/<name>/LATEST` naming the version. A version without the
 marker is incomplete and must not be used. The run's report goes to `runs/<dag>/<run>/report.json`.
 """
@@ -22,27 +26,18 @@ WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 
 
-def to_safetensors(src: Path, dest: Path, *, metadata: dict[str, str]) -> Path:
+def to_safetensors(src: Path, dest: Path, *, metadata: dict[str, str],
+                   max_shard_bytes: int | None = None) -> dict[str, str]:
     """The tensor file `src`, or the model of the checkpoint directory `src` (its model.pt, or a sharded
-    checkpoint's model pieces; loaded without unpickling), as safetensors at
-    `dest`. Tensors that share memory (tied embeddings) are written each in full, so that a plain
-    `load_state_dict(load_file(dest))` restores them."""
-    from safetensors.torch import save_file
+    checkpoint's model pieces; loaded without unpickling), as published weights in the directory `dest`:
+    one model.safetensors, or shards and their index when the model is larger than `max_shard_bytes`
+    (read and written one shard at a time). Tensors that share memory (tied embeddings) are written
+    each in full, so that a plain `load_state_dict` of the loaded weights restores them. Returns
+    {file name: sha256} in the order written (the index, if any, last)."""
+    from ballast.training.checkpoint.export import MAX_SHARD_BYTES, export
 
-    from ballast.training import checkpoint as ckpt
-
-    tensors = ckpt.load_tensors(src) if src.is_file() else ckpt.model_weights(src)  # a checkpoint directory
-    seen: set[int] = set()
-    out = {}
-    for name, value in tensors.items():
-        ptr = value.untyped_storage().data_ptr()
-        out[name] = value.detach().clone().contiguous() if ptr in seen else value.detach().contiguous()
-        seen.add(ptr)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.part")
-    save_file(out, str(tmp), metadata=metadata)
-    tmp.replace(dest)
-    return dest
+    done = export(src, dest, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES, metadata=metadata)
+    return {name: sha256_file(dest / name) for name in done.files}
 
 
 def _tokenizer(ctx: RunContext, conv) -> dict | None:
@@ -81,8 +76,10 @@ def run(ctx: RunContext) -> PublishResult:
     recorded = ckpt.recorded_model(best)
     test = ev.scores()
     training = TrainingOutcome(epochs=train.epochs, steps=train.steps, stopped_early=train.stopped_early)
-    weights = ctx.work_dir / "publish" / WEIGHTS
-    to_safetensors(best, weights, metadata={"pipeline": spec.name, "version": version})
+    out = ctx.work_dir / "publish"
+    files = to_safetensors(best, out, metadata={"pipeline": spec.name, "version": version},
+                           max_shard_bytes=spec.evaluation.publish_shard_bytes)
+    weights_file = list(files)[-1]  # model.safetensors, or the shards' index (written last)
     tokenizer = _tokenizer(ctx, conv)
     card = {
         "name": spec.name, "version": version, "dag_id": ctx.dag_id, "run_id": ctx.run_id,
@@ -93,12 +90,16 @@ def run(ctx: RunContext) -> PublishResult:
         "dataset_id": conv.dataset_id, "data_fingerprint": ctx.result("validate").input_fingerprint,
         "checkpoint": str(best), "checkpoint_step": ver.best.step,
         # Checked by every reader of the published weights (`ballast.storage.models.weights`).
-        "weights_file": WEIGHTS, "weights_sha256": sha256_file(weights),
+        "weights_file": weights_file, "weights_sha256": files[weights_file],
+        # Sharded: every shard's sha256 too (the index's names them; a reader checks each it fetches).
+        "weights_shards": {k: v for k, v in files.items() if k != weights_file} or None,
         "tokenizer": tokenizer,
         "training": training.model_dump(mode="json"),
         "spec": spec.model_dump(mode="json"), "published": time.time(),
-        "load_with": "safetensors.torch.load_file('model.safetensors') -> the state_dict of the model that the"
-                     " entry point `model.name` (group ballast.models) builds from model.options and model.data",
+        "load_with": ("safetensors.torch.load_file('model.safetensors')" if weights_file == WEIGHTS else
+                      "safetensors.torch.load_file of each file the weight_map of model.safetensors.index.json"
+                      " names, merged") + " -> the state_dict of the model that the entry point `model.name`"
+                     " (group ballast.models) builds from model.options and model.data",
     }
     attempts = history.load_all(ctx)
     summary = RecoverySummary.of(attempts)
@@ -111,7 +112,8 @@ def run(ctx: RunContext) -> PublishResult:
     card["lineage"]["warm_started_from"] = train.warm_started_from
     publish, reason = _beats_published(ctx, ev)
     if publish:
-        ctx.storage.upload(weights, f"{prefix}/{WEIGHTS}")
+        for name in files:  # the shards, then their index; the PUBLISHED marker after every one
+            ctx.storage.upload(out / name, f"{prefix}/{name}")
         if tokenizer and tokenizer.get("file"):
             ctx.storage.write_bytes(f"{prefix}/{TOKENIZER}", ctx.storage.read_bytes(tokenizer["source_key"]))
         ctx.storage.write_bytes(f"{prefix}/model_card.json", json.dumps(card, indent=2).encode())
@@ -123,7 +125,7 @@ def run(ctx: RunContext) -> PublishResult:
 
     report = RunReport(
         pipeline=spec.name, dag_id=ctx.dag_id, run_id=ctx.run_id, published=publish,
-        model=ctx.storage.describe(f"{prefix}/{WEIGHTS if publish else _weights_file(ctx, prefix)}"),
+        model=ctx.storage.describe(f"{prefix}/{weights_file if publish else _weights_file(ctx, prefix)}"),
         model_card=ctx.storage.describe(f"{prefix}/model_card.json"),
         checkpoints=train.checkpoint_dir, test=test, training=training,
         stages=StageRecords(validate_=ctx.result("validate"), convert=conv, warm_cache=ctx.result("warm_cache"),

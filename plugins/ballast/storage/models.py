@@ -1,5 +1,6 @@
-"""The published models of a pipeline: `models/<name>/<version>/` (model.safetensors, model_card.json,
-then PUBLISHED; versions published before safetensors hold model.pt, a tensor-only torch file) and `models/<name>/LATEST` naming the newest version. Read by a warm start (the train task)
+"""The published models of a pipeline: `models/<name>/<version>/` (model.safetensors, or for a large
+model its shards and model.safetensors.index.json; model_card.json, then PUBLISHED; versions published
+before safetensors hold model.pt, a tensor-only torch file) and `models/<name>/LATEST` naming the newest version. Read by a warm start (the train task)
 and by `evaluation.publish: if_better` (the evaluate task scores the last published model on the same
 test split as the new one).
 
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ballast.pipeline.context import RunContext
 from ballast.errors import BallastError, DataError
+from ballast.pipeline.context import RunContext
 from ballast.storage import sha256_file
 
 VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -68,29 +69,49 @@ def latest(ctx: RunContext) -> Published | None:
 
 
 def weights(ctx: RunContext, published: Published, dest_dir: Path) -> Path:
-    """The published model's weights under `dest_dir`: a cached copy whose sha256 matches the model
-    card, or downloaded (into a file of this call's own) and checked before it takes the name."""
+    """The published model's weights under `dest_dir`, each file a cached copy whose sha256 matches the
+    model card, or downloaded (into a file of this call's own) and checked before it takes the name:
+    the one weights file, or for sharded weights the index (the path returned) with every shard beside
+    it in a directory of their own (`dest_dir/<version>/`)."""
+    from ballast.training.checkpoint.published import INDEX, SHARD
+
     name = published.card.get("weights_file", "model.pt")
-    if name not in ("model.safetensors", "model.pt"):
-        raise DataError(f"{ctx.storage.describe(published.prefix + '/model_card.json')}: weights_file {str(name)[:80]!r}"
-                        f" is neither model.safetensors nor model.pt; publish the model again")
-    storage, key = ctx.storage, f"{published.prefix}/{name}"
+    card_key = ctx.storage.describe(published.prefix + "/model_card.json")
+    if name not in ("model.safetensors", "model.pt", INDEX):
+        raise DataError(f"{card_key}: weights_file {str(name)[:80]!r} is neither model.safetensors, {INDEX} nor"
+                        f" model.pt; publish the model again")
     want = published.card.get("weights_sha256")
     if not isinstance(want, str) or not _SHA256.fullmatch(want):
-        raise DataError(f"{storage.describe(published.prefix + '/model_card.json')}: no weights_sha256 (published"
-                        f" by an earlier Ballast, or edited): its weights cannot be checked; publish the model again")
-    dest_dir.mkdir(parents=True, exist_ok=True)
+        raise DataError(f"{card_key}: no weights_sha256 (published by an earlier Ballast, or edited): its weights"
+                        f" cannot be checked; publish the model again")
     if not VERSION.fullmatch(published.version):  # `latest` checked it; a Published made elsewhere is checked too
         raise BallastError(f"{published.prefix}: {published.version[:80]!r} is not one version name")
-    dest = dest_dir / f"{published.version}{Path(name).suffix}"
+    if name != INDEX:
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        return _fetch(ctx, f"{published.prefix}/{name}", dest_dir / f"{published.version}{Path(name).suffix}", want)
+    shards = published.card.get("weights_shards")
+    if not isinstance(shards, dict) or not shards or not all(
+            isinstance(k, str) and SHARD.fullmatch(k) and isinstance(v, str) and _SHA256.fullmatch(v)
+            for k, v in shards.items()):
+        raise DataError(f"{card_key}: weights_shards must map each shard file (model-0000k-of-0000N.safetensors)"
+                        f" to its sha256; publish the model again")
+    folder = dest_dir / published.version
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard, sha in shards.items():  # the names checked above: bare file names, nothing outside `folder`
+        _fetch(ctx, f"{published.prefix}/{shard}", folder / shard, sha)
+    return _fetch(ctx, f"{published.prefix}/{INDEX}", folder / INDEX, want)
+
+
+def _fetch(ctx: RunContext, key: str, dest: Path, want: str) -> Path:
+    """`dest` holding the object `key`, whose sha256 must be `want`: the cached copy if it matches."""
     if dest.is_file() and sha256_file(dest) == want:
         return dest
-    fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{dest.name}.", suffix=".part")
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     os.close(fd)
     try:
-        storage.download(key, Path(tmp))
+        ctx.storage.download(key, Path(tmp))
         if sha256_file(Path(tmp)) != want:
-            raise DataError(f"{storage.describe(key)}: its sha256 differs from the model card's weights_sha256: the"
+            raise DataError(f"{ctx.storage.describe(key)}: its sha256 differs from the model card's: the"
                             f" published model is damaged or was replaced; publish it again")
         os.replace(tmp, dest)
     finally:
@@ -99,8 +120,9 @@ def weights(ctx: RunContext, published: Published, dest_dir: Path) -> Path:
 
 
 def load(path: Path, model_section: dict[str, Any]) -> Any:
-    """The model a published card describes, with its weights (safetensors, or an earlier version's
-    tensor-only model.pt: loaded without unpickling either way)."""
+    """The model a published card describes, with its weights (safetensors: one file, or the index of
+    its shards, read one file at a time; or an earlier version's tensor-only model.pt: loaded without
+    unpickling either way)."""
     from ballast.training import checkpoint as ckpt
     from ballast.training.config.run import ModelConfig
     from ballast.training.models import build_configured_model

@@ -1,0 +1,319 @@
+"""Published models in the Hugging Face layout for large models (issue 25, item 4): a model larger than
+`evaluation.publish_shard_bytes` is published as `model-0000k-of-0000N.safetensors` plus
+`model.safetensors.index.json`, written from the checkpoint's shards one output file at a time (never the
+whole model in one process), loadable by plain `safetensors` following the index, and giving the same
+outputs as the trained model; one that fits a shard is the one `model.safetensors` it always was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import weakref
+from pathlib import Path
+
+import pytest
+from ballast.errors import BallastError
+from ballast.training.checkpoint import export, published
+from ballast.training.failure import CheckpointFailure
+
+GPT = {"name": "gpt", "options": {"layers": 2, "width": 32, "heads": 2},
+       "data": {"task": "causal_lm", "vocab_size": 256, "seq_len": 32, "input_shape": [32], "input_dtype": "int64",
+                "inputs": {"tokens": {"shape": [32], "dtype": "int64"}}}}
+
+
+def _model(seed: int = 0):
+    import torch
+    from ballast.training.config.run import ModelConfig
+    from ballast.training.models import build_configured_model
+
+    torch.manual_seed(seed)
+    return build_configured_model(ModelConfig.model_validate(GPT))
+
+
+def _dcp_checkpoint(path: Path, state: dict) -> Path:
+    """A one-process DCP checkpoint of `state` in the trainer's layout ({model: state}, DCP's files)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp_api
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+        dcp_api.save({"model": state}, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def _load_by_index(folder: Path) -> dict:
+    """What a user without Ballast does: read the index, safetensors.torch.load_file each file it names."""
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / published.INDEX).read_text())
+    out = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(folder / name)))
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def _same_outputs(a, b) -> None:
+    import torch
+
+    tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
+    a.eval()
+    b.eval()
+    with torch.no_grad():
+        assert torch.equal(a(tokens), b(tokens))
+
+
+@pytest.mark.unit
+def test_a_model_over_the_shard_size_is_published_as_shards_that_safetensors_loads(tmp_path):
+    model = _model()
+    src = _dcp_checkpoint(tmp_path / "ckpt", model.state_dict())
+    sizes = export.source(src).sizes
+    total = sum(sizes.values())
+    limit = total // 5
+    done = export.export(src, tmp_path / "pub", max_shard_bytes=limit, metadata={"pipeline": "p"})
+    n = len(done.files) - 1
+    assert n >= 3 and done.weights_file == published.INDEX and done.files[-1] == published.INDEX
+    assert done.files[:-1] == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert sorted(p.name for p in (tmp_path / "pub").iterdir()) == sorted(done.files)  # no temporary left
+    index = json.loads((tmp_path / "pub" / published.INDEX).read_text())
+    assert index["metadata"]["total_size"] == total == done.total_size
+    assert list(index["weight_map"]) == list(model.state_dict())  # every tensor, tied ones too, in order
+    largest = max(sizes.values())
+    for name in done.files[:-1]:
+        held = sum(sizes[k] for k, f in index["weight_map"].items() if f == name)
+        assert held <= limit or held == largest, (name, held)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "pub" / done.files[0]), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "pipeline": "p"}  # "format": transformers requires it
+    loaded = _model(seed=7)  # other weights, until the published ones are loaded
+    loaded.load_state_dict(_load_by_index(tmp_path / "pub"))
+    _same_outputs(model, loaded)
+    # Ballast's own loader (warm start, the if_better baseline) reads the index the same way.
+    from ballast.training.checkpoint import load_tensors
+
+    again = load_tensors(tmp_path / "pub" / published.INDEX)
+    assert list(again) == list(index["weight_map"])
+
+
+@pytest.mark.unit
+def test_a_model_that_fits_one_shard_is_one_model_safetensors_and_a_new_export_replaces_the_old_layout(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _model()
+    src = _dcp_checkpoint(tmp_path / "ckpt", model.state_dict())
+    export.export(src, tmp_path / "pub", max_shard_bytes=10_000)
+    done = export.export(src, tmp_path / "pub")
+    assert done.files == [published.SINGLE] == [p.name for p in (tmp_path / "pub").iterdir()]
+    loaded = _model(seed=7)
+    loaded.load_state_dict(load_file(str(tmp_path / "pub" / published.SINGLE)))
+    _same_outputs(model, loaded)
+
+
+@pytest.mark.unit
+def test_the_plan_keeps_the_order_closes_a_shard_before_it_overflows_and_gives_a_large_tensor_a_file():
+    sizes = {"a": 40, "b": 40, "c": 30, "big": 250, "d": 10, "e": 100, "f": 1}
+    assert export.plan(sizes, 100) == [["a", "b"], ["c"], ["big"], ["d"], ["e"], ["f"]]
+    assert export.plan(sizes, 1000) == [list(sizes)]
+    assert export.plan({}, 100) == [[]]
+    with pytest.raises(CheckpointFailure, match="max_shard_bytes must be >= 1"):
+        export.plan(sizes, 0)
+
+
+@pytest.mark.unit
+def test_export_holds_one_shard_of_tensors_at_a_time(tmp_path, monkeypatch):
+    """Every tensor the export reads is tracked until it is freed: the bytes alive at once never exceed
+    one shard (max_shard_bytes, or the one larger tensor), where the model is several times that."""
+    import torch
+
+    state = {f"layer{i}.weight": torch.randn(64, 64) for i in range(12)}
+    state["big"] = torch.randn(256, 64)  # 64 KiB: larger than a shard
+    src = _dcp_checkpoint(tmp_path / "ckpt", state)
+    limit = 3 * 64 * 64 * 4
+    alive, peak, reads = {}, [0], []
+    real = export.source
+
+    def tracked(path):
+        s = real(path)
+
+        def read(names):
+            out = s.read(names)
+            for t in out.values():
+                alive[id(t)] = t.numel() * t.element_size()
+                weakref.finalize(t, alive.pop, id(t), None)
+            peak[0] = max(peak[0], sum(alive.values()))
+            reads.append(list(names))
+            return out
+
+        return export._Source(s.sizes, read)
+
+    monkeypatch.setattr(export, "source", tracked)
+    done = export.export(src, tmp_path / "pub", max_shard_bytes=limit)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert len(reads) == len(done.files) - 1 >= 5 and sorted(k for r in reads for k in r) == sorted(state)
+    assert peak[0] == 256 * 64 * 4 and peak[0] < total / 3  # the largest shard (the big tensor), not the model
+    assert not alive  # nothing kept after its file was written
+    loaded = _load_by_index(tmp_path / "pub")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+_PEAK = """
+import gc, re, sys
+from pathlib import Path
+from ballast.training.checkpoint import export, model_weights
+
+def status(field):
+    return int(re.search(field + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) << 10
+
+src, how = Path(sys.argv[1]), sys.argv[2]
+import torch, torch.distributed.checkpoint, safetensors.torch  # imported before the baseline
+gc.collect()
+before = status("VmRSS")
+if how == "whole":
+    result = model_weights(src)
+else:
+    result = export.export(src, Path(sys.argv[3]), max_shard_bytes=int(sys.argv[4]))
+print(status("VmHWM") - before)
+"""
+
+
+def _peak_added(*args: str) -> int:
+    """The most resident memory the export (or the whole-model read) adds to a fresh process, by the
+    kernel's high-water mark: a process of its own, so no memory an earlier test freed is reused."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _PEAK, *args], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return int(run.stdout.split()[-1])
+
+
+@pytest.mark.integration
+def test_the_exports_resident_memory_grows_with_a_shard_not_with_the_model(tmp_path):
+    """By the kernel's own count (VmHWM): exporting a 160 MiB checkpoint in 8 MiB shards adds a small
+    fraction of the model to the process, where reading the whole model (what publishing did) adds all of it."""
+    import torch
+
+    mib = 1 << 20
+    src = _dcp_checkpoint(tmp_path / "ckpt", {f"w{i}": torch.randn(mib // 2) for i in range(80)})  # 2 MiB each
+    total = 80 * 2 * mib
+    whole = _peak_added(str(src), "whole")
+    sharded = _peak_added(str(src), "export", str(tmp_path / "pub"), str(8 * mib))
+    assert len(list((tmp_path / "pub").glob("model-*-of-00020.safetensors"))) == 20
+    assert whole >= 0.95 * total, whole  # the measure sees a gather
+    # One shard's tensors, the copy of them safetensors serializes, a piece being read (about 23 MiB here):
+    # a quarter of the model at most, where a gather is all of it.
+    assert sharded <= 5 * 8 * mib, (sharded / mib, total / mib)
+
+
+@pytest.mark.unit
+def test_a_damaged_shard_or_index_is_a_clear_error_naming_the_file(tmp_path):
+    from ballast.training.checkpoint import load_tensors
+
+    src = _dcp_checkpoint(tmp_path / "ckpt", _model().state_dict())
+    done = export.export(src, tmp_path / "pub", max_shard_bytes=20_000)
+    pub, index = tmp_path / "pub", tmp_path / "pub" / published.INDEX
+    second = pub / done.files[1]
+    good = second.read_bytes()
+    second.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(CheckpointFailure, match=rf"{re.escape(str(second))}: cannot load as a safetensors shard"):
+        load_tensors(index)
+    second.unlink()
+    with pytest.raises(CheckpointFailure, match=rf"{re.escape(str(second))}: cannot load"):
+        load_tensors(index)
+    second.write_bytes(good)
+    first = pub / done.files[0]
+    first.rename(tmp_path / "first")
+    second.rename(first)  # a shard under another shard's name: other tensors than the index maps to it
+    with pytest.raises(CheckpointFailure, match=rf"{re.escape(str(first))}: holds other tensors than"):
+        load_tensors(index)
+    raw = json.loads(index.read_text())
+    for bad, what in [({**raw, "weight_map": {"x": "../../etc/model.safetensors"}}, "not one set of shards"),
+                      ({**raw, "weight_map": {"x": "model-00001-of-00002.safetensors"}}, "not one set of shards"),
+                      ({"metadata": {}}, "weight_map must map")]:
+        index.write_text(json.dumps(bad))
+        with pytest.raises(CheckpointFailure, match=rf"{re.escape(str(index))}: .*{what}"):
+            load_tensors(index)
+    index.write_text("{not json")
+    with pytest.raises(CheckpointFailure, match=rf"{re.escape(str(index))}: not a safetensors index"):
+        load_tensors(index)
+
+
+@pytest.mark.unit
+def test_a_damaged_rank_file_stops_the_export_naming_it(tmp_path):
+    src = _dcp_checkpoint(tmp_path / "ckpt", _model().state_dict())
+    rank = src / "__0_0.distcp"
+    rank.write_bytes(rank.read_bytes()[:1000])
+    with pytest.raises(CheckpointFailure, match=r"cannot read the shards __0_0\.distcp through DCP"):
+        export.export(src, tmp_path / "pub", max_shard_bytes=20_000)
+    assert not list((tmp_path / "pub").glob("*.safetensors"))
+
+
+# --- the registry: publishing and fetching both layouts -------------------------------------------------------
+
+
+def _ctx(tmp_path):
+    from ballast.pipeline.context import RunContext
+    from ballast.spec import parse_spec
+    from helpers import example_data
+
+    d = example_data()
+    d["storage"]["uri"] = str(tmp_path / "storage")
+    return RunContext(spec=parse_spec(d), dag_id="ballast_digits", run_id="r1")
+
+
+def _publish_sharded(ctx, folder: Path, files: list[str], version: str = "20261205T000000Z-r1") -> str:
+    """Store `files` of `folder` as publish does: every weights file, the card, PUBLISHED, then LATEST."""
+    prefix = f"models/{ctx.spec.name}/{version}"
+    sha = {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in files}
+    for f in files:
+        ctx.storage.upload(folder / f, f"{prefix}/{f}")
+    card = {"version": version, "model_section": GPT, "weights_file": files[-1], "weights_sha256": sha[files[-1]],
+            "weights_shards": {f: s for f, s in sha.items() if f != files[-1]} or None}
+    ctx.storage.write_bytes(f"{prefix}/model_card.json", json.dumps(card).encode())
+    ctx.storage.write_bytes(f"{prefix}/PUBLISHED", version.encode())
+    ctx.storage.write_bytes(f"models/{ctx.spec.name}/LATEST", f"{version}\n".encode())
+    return prefix
+
+
+@pytest.mark.unit
+def test_the_registry_fetches_checks_and_loads_sharded_weights(tmp_path):
+    from ballast.storage import models as registry
+
+    ctx = _ctx(tmp_path)
+    model = _model()
+    done = export.export(_dcp_checkpoint(tmp_path / "ckpt", model.state_dict()), tmp_path / "pub",
+                         max_shard_bytes=20_000)
+    prefix = _publish_sharded(ctx, tmp_path / "pub", done.files)
+    dest = tmp_path / "work"
+    path = registry.weights(ctx, registry.latest(ctx), dest)
+    assert path == dest / "20261205T000000Z-r1" / published.INDEX
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(done.files)
+    _same_outputs(model, registry.load(path, GPT))  # the if_better baseline's load
+    # A cached shard changed on disk: checked again and fetched again.
+    cached = path.parent / done.files[1]
+    cached.write_bytes(b"tampered")
+    assert registry.weights(ctx, registry.latest(ctx), dest) == path
+    assert cached.read_bytes() == (tmp_path / "pub" / done.files[1]).read_bytes()
+    # A stored shard that no longer matches the card: refused naming it, no partial file left.
+    ctx.storage.write_bytes(f"{prefix}/{done.files[2]}", b"swapped")
+    (path.parent / done.files[2]).unlink()
+    with pytest.raises(BallastError, match=rf"{re.escape(done.files[2])}: its sha256 differs from the model card"):
+        registry.weights(ctx, registry.latest(ctx), dest)
+    assert not list(path.parent.glob(".*.part"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("shards", [None, {}, {"../../x.safetensors": "0" * 64}, {"model-00001-of-00001.safetensors": "z"}])
+def test_a_card_with_bad_shard_entries_is_refused_before_any_download(tmp_path, shards):
+    from ballast.storage import models as registry
+
+    ctx = _ctx(tmp_path)
+    card = {"model_section": GPT, "weights_file": published.INDEX, "weights_sha256": "0" * 64, "weights_shards": shards}
+    forged = registry.Published(version="v1", prefix=f"models/{ctx.spec.name}/v1", card=card)
+    with pytest.raises(BallastError, match=r"model_card.json: weights_shards must map each shard file"):
+        registry.weights(ctx, forged, tmp_path / "work")
+    assert not (tmp_path / "x.safetensors").exists()
