@@ -37,5 +37,9 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from ballast.bench.sharded_checkpoint import bench_sharded_checkpoint
 
         return bench_sharded_checkpoint(small=getattr(args, "small", False), device=getattr(args, "device", None) or "cpu")
+    if name == "scale":
+        from ballast.bench.scale import bench_scale
+
+        return bench_scale(**({"rows": args.rows} if getattr(args, "rows", None) else {}))
     raise ValueError(f"unknown benchmark {name!r}")
 

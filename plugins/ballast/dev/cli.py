@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="run a benchmark and write its JSON")
     s.add_argument("name", choices=["parse", "overhead", "checkpoint", "recovery", "goodput", "convert", "read",
-                                           "warmup", "lm", "sharded-checkpoint"])
-    s.add_argument("--rows", type=int, help="convert, warmup: rows of synthetic data (convert: the 1x size)")
+                                           "warmup", "lm", "sharded-checkpoint", "scale"])
+    s.add_argument("--rows", type=int, help="convert, warmup, scale: rows of synthetic data (convert, scale: 1x)")
     s.add_argument("--samples", type=int, help="read: number of samples")
     s.add_argument("--specs", type=int, default=50, help="parse: number of generated specs")
     s.add_argument("--repeat", type=int, default=3, help="parse: timed repetitions (median reported)")
