@@ -245,3 +245,67 @@ def test_the_same_step_saved_again_is_recommitted_only_once_every_node_pushed_th
     assert sync.push(ctx, later[0], node=0) == [ctx.storage.describe(_base(ctx, 10).rstrip("/"))]
     assert sync.pull(ctx, tmp_path / "resume", newest=1) == ["step-00000010"]
     assert (tmp_path / "resume" / "step-00000010" / "__2_0.distcp").read_bytes() == _shard(10, 2, 1)
+
+
+def _two_agents(tmp: Path, cache, *, epochs: int, port: int) -> list:
+    """Two torchrun agents on loopback as two nodes of one rank each, under FSDP, each node with a
+    checkpoint directory of its own (`tmp/node<k>/ckpt`, node-local)."""
+    import subprocess
+
+    from helpers import config, torchrun
+
+    def two_nodes(d):
+        d["training"].update(nodes=2, processes_per_node=1, global_batch_size=64, parallelism="fsdp",
+                             checkpoint={"every_steps": 10, "keep_last": 3})
+        d["execution"] = {"backend": "slurm", "slurm": {"partition": "debug"}}
+
+    args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=multinode-s3-{epochs}"]
+    agents = []
+    for n in range(NODES):
+        (tmp / f"node{n}").mkdir(parents=True, exist_ok=True)
+        cfg = config(tmp / f"node{n}", cache, epochs=epochs, edit=two_nodes, changes={"checkpoint.node_local": True})
+        agents.append(subprocess.Popen(torchrun(cfg, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True))
+    out = [a.communicate(timeout=240) for a in agents]
+    for a, (_, err) in zip(agents, out):
+        assert a.returncode == 0, err[-3000:]
+    return [so + se for so, se in out]
+
+
+@pytest.mark.integration
+def test_fsdp_on_two_nodes_pushes_real_shards_per_node_and_resumes_from_storage_at_the_step(ctx, tmp_path,
+                                                                                           digits_cache):
+    import re
+
+    from ballast.storage import checkpoints as sync
+    from helpers import free_port
+
+    _two_agents(tmp_path, digits_cache, epochs=1, port=free_port())
+    dirs = [tmp_path / f"node{n}" / "ckpt" for n in range(NODES)]
+    newest = ckpt.committed(dirs[0])[-1]
+    assert [p.name for p in ckpt.committed(dirs[1])] == [p.name for p in ckpt.committed(dirs[0])]
+    assert ckpt.held_files(newest) >= {"__0_0.distcp", ".metadata", "trainer.json"}
+    assert {n for n in ckpt.held_files(dirs[1] / newest.name) if n.endswith(".distcp")} == {"__1_0.distcp"}
+    assert (dirs[1] / newest.name / ckpt.MANIFEST).read_bytes() == (newest / ckpt.MANIFEST).read_bytes()
+    # Node 1's share first, then node 0, which commits: the marker written after every shard.
+    assert sync.push(ctx, dirs[1], node=1) == []
+    committed = sync.push(ctx, dirs[0], node=0)
+    assert committed and committed[-1].endswith(newest.name)
+    import boto3
+
+    bucket, _, key = ctx.storage.describe(f"{ctx.run_key}/checkpoints/{newest.name}/")[5:].partition("/")
+    listing = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]
+    when = {o["Key"].rsplit("/", 1)[-1]: o["LastModified"] for o in listing}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", ckpt.COMMIT_MARKER} <= set(when)
+    assert all(when[ckpt.COMMIT_MARKER] >= t for t in when.values())
+    # The next try: each node pulls what it resumes from (every shard, the resume gate run on it) and
+    # both resume at the newest committed step.
+    for n in range(NODES):
+        fresh = tmp_path / "next" / f"node{n}" / "ckpt"
+        assert sync.pull_for_resume(ctx, fresh) == [newest.name]
+    step = int(newest.name.split("-")[1])
+    outs = _two_agents(tmp_path / "next", digits_cache, epochs=2, port=free_port())
+    assert re.search(rf"resumed from \S*{newest.name} \(epoch \d+, step {step}\)", outs[0]), outs[0][-2000:]
+    later = [p for p in ckpt.committed(tmp_path / "next" / "node1" / "ckpt") if ckpt.step_of_name(p.name) > step]
+    assert later and {n for n in ckpt.held_files(later[-1]) if n.endswith(".distcp")} == {"__1_0.distcp"}
