@@ -317,3 +317,58 @@ def test_a_card_with_bad_shard_entries_is_refused_before_any_download(tmp_path, 
     with pytest.raises(BallastError, match=r"model_card.json: weights_shards must map each shard file"):
         registry.weights(ctx, forged, tmp_path / "work")
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# --- the pipeline: trained sharded on two ranks, published in shards ---------------------------------------
+
+
+@pytest.mark.integration
+def test_a_model_trained_under_fsdp_on_two_ranks_is_published_in_shards_giving_the_same_outputs(tmp_path, monkeypatch):
+    """The stages from raw text to publish (train: torchrun, 2 gloo ranks, FSDP, a DCP checkpoint of one
+    file per rank); publish with a small shard size reads the rank files a shard at a time and writes >= 3
+    safetensors files and the index, all in storage before PUBLISHED; plain safetensors, following the
+    index, loads what gives the trained model's outputs exactly, and so does the registry's load."""
+    from ballast.stages import convert, evaluate, publish, train, validate, verify_checkpoint, warm_cache
+    from ballast.stages.verify_checkpoint import load_model
+    from ballast.storage import FileStorage
+    from ballast.storage import models as registry
+    from ballast.training.config.run import ModelConfig
+    from ballast.training.models import build_configured_model
+    from helpers import make_ctx, run_chain, warm_cache_rest
+    from workload_data import lm_spec, write_corpus
+
+    raw = write_corpus(tmp_path / "raw", 100_000)
+
+    def edit(d):
+        lm_spec(d, raw, epochs=1)
+        d["training"].update(parallelism="fsdp", processes_per_node=2)
+        d["evaluation"]["publish_shard_bytes"] = 20_000
+
+    ctx = make_ctx(tmp_path, raw, edit)
+    stored: list[str] = []
+    upload, write_bytes = FileStorage.upload, FileStorage.write_bytes
+    monkeypatch.setattr(FileStorage, "upload", lambda self, local, key: (stored.append(key), upload(self, local, key))[1])
+    monkeypatch.setattr(FileStorage, "write_bytes", lambda self, key, data: (stored.append(key), write_bytes(self, key, data))[1])
+    run_chain(ctx, validate, convert, warm_cache, warm_cache_rest, train, verify_checkpoint, evaluate, publish)
+    result = ctx.result("publish")
+    assert result.published
+    prefix = f"models/{ctx.spec.name}/{result.published_version}"
+    card = json.loads(ctx.storage.read_bytes(f"{prefix}/model_card.json"))
+    best = Path(card["checkpoint"])
+    assert {p.name for p in best.glob("__*_0.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert not (best / "model.pt").exists()
+    shards = sorted(card["weights_shards"])
+    assert card["weights_file"] == published.INDEX and len(shards) >= 3
+    assert result.model.endswith(f"{prefix}/{published.INDEX}")
+    # Storage received every shard, then the index, the card, PUBLISHED and LATEST, in that order.
+    mine = [k.removeprefix(prefix + "/") for k in stored if k.startswith(prefix + "/") or k.endswith("/LATEST")]
+    assert sorted(mine[:len(shards)]) == shards
+    assert mine[len(shards):] == [published.INDEX, "model_card.json", "PUBLISHED", f"models/{ctx.spec.name}/LATEST"]
+    folder = ctx.storage.local_path(prefix)
+    assert hashlib.sha256((folder / published.INDEX).read_bytes()).hexdigest() == card["weights_sha256"]
+    trained, _ = load_model(best)  # the checkpoint's model, read whole here (the test's reference only)
+    model = build_configured_model(ModelConfig.model_validate(card["model"]))
+    model.load_state_dict(_load_by_index(folder))
+    _same_outputs(trained, model)
+    baseline = registry.load(registry.weights(ctx, registry.latest(ctx), tmp_path / "baseline"), card["model_section"])
+    _same_outputs(trained, baseline)
