@@ -7,6 +7,8 @@ No cluster runs here: nothing in this file talks to an API server.
 
 from __future__ import annotations
 
+import time
+
 import kubernetes_validate
 import pytest
 import yaml
@@ -365,6 +367,14 @@ class FakeAPI:
         self.job_conditions: list = []
         self.delete_bodies: list = []
         self.clock, self.linger, self.deleted_at = clock, linger, None
+        import threading
+
+        self.cond = threading.Condition()
+        self.containers: dict[str, list[list]] = {}  # pod -> its containers' logs (a restart adds one)
+        self.node_now = __import__("time").time() - 1e6  # the lines' times: a second apart, in the past
+        self.reads: list = []
+        self.served: dict[str, int] = {}
+        self.cut_after: dict[str, int] = {}
 
     def _now(self) -> float:
         return self.clock.now if self.clock is not None else 0.0
@@ -395,8 +405,44 @@ class FakeAPI:
         return k8s.V1PodList(items=[p for p in self.pods if all(
             (p.metadata.labels or {}).get(k) == v for k, v in wanted.items())] + self.strays)
 
-    def read_namespaced_pod_log(self, name, ns, container):
-        return f"log of {name}\n"
+    # -- the pods' logs, served as the API server streams them (follow=True) ------------------------------
+
+    def append(self, name: str, *texts: str) -> None:
+        """New lines in pod `name`'s running container, stamped a second apart (as if logged long ago: a
+        reconnect's `since_seconds` back from now then reaches only the seconds it asks for)."""
+        with self.cond:
+            log = self._log(name)
+            for text in texts:
+                log.append((self.node_now, text))
+                self.node_now += 1.0
+            self.cond.notify_all()
+
+    def restart(self, name: str) -> None:
+        """The pod's container restarts in place: its stream ends, its log starts empty."""
+        with self.cond:
+            self._log(name)
+            self.containers[name].append([])
+            self.cond.notify_all()
+
+    def _log(self, name: str) -> list:
+        if name not in self.containers:
+            self.containers[name] = [[(self.node_now, f"log of {name}")]]
+            self.node_now += 1.0
+        return self.containers[name][-1]
+
+    def _running(self, name: str) -> bool:
+        pod = next((p for p in self.pods if p.metadata.name == name), None)
+        return pod is not None and self.deleted_at is None and pod.status.phase == "Running"
+
+    def read_namespaced_pod_log(self, name, ns, container, *, follow=False, timestamps=False, since_seconds=None,
+                                _preload_content=True, _request_timeout=None):
+        assert container == k8s_manifests.CONTAINER and follow and timestamps and not _preload_content
+        with self.cond:
+            self.reads.append((name, since_seconds))
+            self._log(name)
+            generation = len(self.containers[name])
+        return FakeStream(self, name, generation, since_seconds)
+
 
     def read_namespaced_job_status(self, name, ns):
         return k8s.V1Job(status=k8s.V1JobStatus(conditions=self.job_conditions))
@@ -418,6 +464,55 @@ class FakeAPI:
     def delete_namespaced_pod(self, name, ns, body):
         self._deleted(f"Pod/{name}", body)
 
+
+class FakeStream:
+    """A followed log: the container's lines from `since_seconds` before the node's now, then each new one
+    until the container ends (a restart, the pod ended or deleted), or `cut_after` lines (a dropped
+    connection). Counts the bytes it serves."""
+
+    def __init__(self, api, name, generation, since_seconds):
+        self.api, self.name, self.generation = api, name, generation
+        self.start = time.time() - since_seconds if since_seconds is not None else float("-inf")
+        self.closed = False
+
+    def stream(self, amt=None, decode_content=True):
+        api, pos, served = self.api, 0, 0
+        while True:
+            with api.cond:
+                log = api.containers[self.name][self.generation - 1]
+                fresh = [(t, text) for t, text in log[pos:] if t >= self.start]
+                pos = len(log)
+                ended = (len(api.containers[self.name]) > self.generation or not api._running(self.name)
+                         or self.closed)
+                if not fresh and not ended:
+                    api.cond.wait(0.02)
+                    continue
+            for t, text in fresh:
+                if served == api.cut_after.get(self.name):
+                    api.cut_after.pop(self.name)
+                    return  # the connection dropped
+                chunk = f"{stamp(t)} {text}\n".encode()
+                api.served[self.name] = api.served.get(self.name, 0) + len(chunk)
+                served += 1
+                yield chunk[:7]  # a line may arrive in pieces
+                yield chunk[7:]
+            if ended and not fresh:
+                return
+
+    def close(self):
+        self.closed = True
+
+    def release_conn(self):
+        pass
+
+
+def stamp(t: float) -> str:
+    """Unix time `t` as the runtime stamps a line: RFC3339Nano, trailing zeros trimmed."""
+    import datetime
+
+    at = datetime.datetime.fromtimestamp(int(t), datetime.UTC)
+    frac = f"{round((t - int(t)) * 1e6) * 1000 + 7:09d}".rstrip("0")
+    return at.strftime("%Y-%m-%dT%H:%M:%S") + f".{frac}Z"
 
 def job_pod(labels, index, phase, **status):
     pod = pod_with(phase, **status)
@@ -556,3 +651,126 @@ def test_the_deadline_is_the_specs_kubernetes_time_limit():
     assert main["spec"]["activeDeadlineSeconds"] == 1800 == pod_spec(main)["activeDeadlineSeconds"]
     with pytest.raises(SpecError, match=r"execution\.kubernetes\.time_limit_minutes"):
         k8s_spec(time_limit_minutes=0)
+
+
+# --- the log relay follows each pod's stream: every line once, in order; nothing read again -------------
+
+
+@pytest.fixture
+def fast_polls(monkeypatch):
+    from ballast.launch import kubernetes
+    from ballast.launch.kubernetes import logs
+
+    monkeypatch.setattr(kubernetes, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(logs, "RETRY_SECONDS", 0.01)
+
+
+def _log_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("log-")]
+
+
+@pytest.mark.unit
+def test_the_relay_follows_each_log_once_in_order_across_a_cut_and_restarts(fast_polls):
+    """A Job's two pods: p0 logs a long backlog and its stream is cut twice (a reconnect asks only for the
+    seconds since its last line: its lines are not served again, bar a few of overlap), then it fails and
+    the Job replaces it (p0b, same completion index: its lines after p0's); p1's container restarts in
+    place. Every line reaches the task's log once, in order per index; the bytes served stay within the
+    logs' size plus the bounded overlap of each reconnect (re-reading the whole log every poll, as before,
+    would serve it some hundred times); the followers are gone when wait returns."""
+    import logging
+
+    from ballast.launch.kubernetes import KubernetesBackend
+    from ballast.launch.kubernetes.logs import OVERLAP_SECONDS
+
+    spec = k8s_spec(nodes=2)
+    api = FakeAPI()
+    backend = KubernetesBackend(spec, logging.getLogger("test"), core=api, batch=api)
+    handle = backend.start(launch(spec, 1))
+    labels = api.template_labels
+    p0, p1 = job_pod(labels, 0, "Running"), job_pod(labels, 1, "Running")
+    api.pods = [p0, p1]
+    backlog = [f"step {i} loss {1.0 / (i + 1):.6f}" for i in range(3000)]
+    api.append("p0", *backlog)
+    api.cut_after["p0"] = 1000  # the connection drops after 1000 lines, then again 700 into the next one
+    relayed: list[str] = []
+
+    def until(pred, what):
+        """Polls (each relays what was read) until `pred` holds."""
+        deadline = time.monotonic() + 20
+        while not pred():
+            assert time.monotonic() < deadline, f"{what}; relayed {len(relayed)} lines"
+            yield
+
+    def script():
+        yield from until(lambda: len(api.reads) >= 2 and "p0" not in api.cut_after, "the first cut")
+        api.cut_after["p0"] = 700
+        api.append("p1", "p1 before restart 1", "p1 before restart 2")
+        yield from until(lambda: "[1] p1 before restart 2" in relayed, "p1's first lines")
+        api.restart("p1")
+        api.append("p1", "p1 after restart")
+        yield from until(lambda: f"[0] {backlog[-1]}" in relayed, "p0's backlog")
+        api.append("p0", "p0 last words")
+        p0.status.phase = "Failed"  # the Job replaces it: a new pod, a new name, the same index
+        p0b = job_pod(labels, 0, "Running")
+        p0b.metadata.name = "p0b"
+        api.pods = [p0, p0b, p1]
+        api.append("p0b", "p0b resumed")
+        yield from until(lambda: "[0] p0b resumed" in relayed and "[1] p1 after restart" in relayed, "the last lines")
+        for pod in api.pods[1:]:
+            pod.status.phase = "Succeeded"
+        api.job_conditions = [k8s.V1JobCondition(type="Complete", status="True")]
+        while True:
+            yield
+
+    steps = script()
+    end = backend.wait(handle, on_line=relayed.append, should_stop=lambda: next(steps) or False)
+    assert end.ok
+    index0 = [line for line in relayed if line.startswith("[0] ")]
+    assert index0 == [f"[0] {t}" for t in ["log of p0", *backlog, "p0 last words", "log of p0b", "p0b resumed"]]
+    assert [line for line in relayed if line.startswith("[1] ")] == [  # the restarted container's log: new lines
+        "[1] log of p1", "[1] p1 before restart 1", "[1] p1 before restart 2", "[1] p1 after restart"]
+    assert len(relayed) == len(index0) + len([line for line in relayed if line.startswith("[1] ")])
+    size = {name: sum(len(f"{stamp(t)} {text}\n") for c in logs for t, text in c)
+            for name, logs in api.containers.items()}
+    reconnects = {name: sum(1 for n, since in api.reads if n == name and since is not None) for name in size}
+    longest = max(len(f"{stamp(t)} {text}\n") for logs in api.containers.values() for c in logs for t, text in c)
+    for name in size:
+        assert api.served.get(name, 0) <= size[name] + reconnects[name] * (OVERLAP_SECONDS + 2) * longest, (
+            name, api.served, size, reconnects)
+    reads = {name: sum(1 for n, _ in api.reads if n == name) for name in size}
+    # One stream each, and at most one more per cut, restart or end: not one read a poll.
+    assert 3 <= reads["p0"] <= 4 and 2 <= reads["p1"] <= 3 and 1 <= reads["p0b"] <= 2, (reads, api.reads)
+    assert _log_threads() == []
+
+
+@pytest.mark.unit
+def test_log_times_parse_and_lines_of_one_time_are_dropped_only_as_often_as_relayed():
+    import logging
+    import queue
+
+    from ballast.launch.kubernetes.logs import Follower, parse_stamp
+
+    assert parse_stamp("2026-12-05T06:13:07.123456789Z hello world") == ((1796451187, 123456789), "hello world")
+    assert parse_stamp("2026-12-05T06:13:07.5Z x") == ((1796451187, 500000000), "x")
+    assert parse_stamp("2026-12-05T07:13:07+01:00 x") == ((1796451187, 0), "x")
+    assert parse_stamp("2026-12-05T06:13:07Z") == ((1796451187, 0), "")  # an empty write
+    assert parse_stamp("not a time at all") == (None, "not a time at all")
+
+    class Core:
+        def __init__(self):
+            self.streams = [[b"2026-12-05T06:13:07.5Z a\n2026-12-05T06:13:07.5Z b\n"],  # two lines, one time
+                            [b"2026-12-05T06:13:06Z old\n2026-12-05T06:13:07.5Z a\n2026-12-05T06:13:07.5Z b\n"
+                             b"2026-12-05T06:13:07.5Z c\n2026-12-05T06:13:08Z d"]]  # the reconnect's overlap
+
+        def read_namespaced_pod_log(self, *args, **kwargs):
+            chunks = self.streams.pop(0)
+            return type("R", (), {"stream": lambda self, **kw: iter(chunks), "close": lambda self: None,
+                                  "release_conn": lambda self: None})()
+
+    out: queue.Queue = queue.Queue()
+    f = Follower(Core(), "ml", "p0", "train", "", out, logging.getLogger("test"), seq=0)
+    f._read_stream()
+    f._read_stream()
+    assert [out.get_nowait()[1] for _ in range(out.qsize())] == ["a", "b", "c", "d"]

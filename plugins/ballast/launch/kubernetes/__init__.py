@@ -1,5 +1,6 @@
 """The Kubernetes backend: create one try's objects (`manifests`), follow its pods and relay their
-logs, read how they ended (`status`), delete them.
+logs as they stream (`logs`: one follower thread a pod, nothing read twice), read how they ended
+(`status`), delete them.
 
 The API clients are the provider's `KubernetesHook` (an Airflow connection, `execution.kubernetes.
 conn_id`: the cluster's credentials never pass through the spec). Pods are found by this try's labels,
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ballast.launch import Ending, Launch
-from ballast.launch.kubernetes import manifests as k8s_manifests, status as k8s_status
+from ballast.launch.kubernetes import logs as k8s_logs, manifests as k8s_manifests, status as k8s_status
 from ballast.spec import Spec
 
 POLL_SECONDS = 2.0
@@ -79,23 +80,28 @@ class KubernetesBackend:
         return ours
 
     def wait(self, handle: dict[str, Any], *, on_line: Callable[[str], Any], should_stop: Callable[[], bool]) -> Ending:
-        relayed: dict[str, int] = {}
-        while True:
-            if should_stop():
-                ended = self.stop(handle, reason="cancelled")
-                return Ending(None, reason="cancelled (by Ballast)", cancelled=True, left_running=not ended)
-            pods = self.pods(handle)
-            self._relay(handle, pods, relayed, on_line)
-            end = self._ended(handle, pods)
-            if end is not None:
-                self._relay(handle, pods, relayed, on_line)
-                if end.ok or not self.k.keep_failed_pods:
-                    end = dataclasses.replace(end, left_running=not self.stop(handle, reason="finished"))
-                else:
-                    self.log.warning("keeping the failed try's %s %s for inspection (keep_failed_pods)",
-                                     handle["kind"], handle["name"])
-                return end
-            time.sleep(POLL_SECONDS)
+        relay = k8s_logs.PodLogs(self.core, handle["namespace"], k8s_manifests.CONTAINER, self.log)
+        try:
+            while True:
+                if should_stop():
+                    ended = self.stop(handle, reason="cancelled")
+                    relay.close(on_line)  # the pods are gone: what they logged in their grace period too
+                    return Ending(None, reason="cancelled (by Ballast)", cancelled=True, left_running=not ended)
+                pods = self.pods(handle)
+                relay.follow(pods, prefix=_prefix)
+                relay.drain(on_line)
+                end = self._ended(handle, pods)
+                if end is not None:
+                    if end.ok or not self.k.keep_failed_pods:
+                        end = dataclasses.replace(end, left_running=not self.stop(handle, reason="finished"))
+                    else:
+                        self.log.warning("keeping the failed try's %s %s for inspection (keep_failed_pods)",
+                                         handle["kind"], handle["name"])
+                    relay.close(on_line)  # every pod's log to its end (a Job's peers stop after the first)
+                    return end
+                time.sleep(POLL_SECONDS)
+        finally:
+            relay.close(on_line, timeout=0.0)  # an error on the way: the followers end with it
 
     def _ended(self, handle: dict[str, Any], pods: list[Any]) -> Ending | None:
         if handle["kind"] == "Pod":
@@ -115,23 +121,6 @@ class KubernetesBackend:
                 return Ending(first.exit_code, host=first.host, reason=f"{first.reason}; {reason}",
                               failure_class=first.failure_class)
         return None
-
-    def _relay(self, handle: dict[str, Any], pods: list[Any], relayed: dict[str, int], on_line) -> None:
-        """New log lines of each started pod, prefixed with its completion index on a Job."""
-        for pod in pods:
-            if (pod.status.phase if pod.status else None) in (None, "Pending"):
-                continue
-            name = pod.metadata.name
-            try:
-                text = self.core.read_namespaced_pod_log(name, handle["namespace"], container=k8s_manifests.CONTAINER)
-            except Exception as exc:  # noqa: BLE001  (a pod gone between list and read: its log is lost)
-                self.log.debug("no log of %s: %s", name, exc)
-                continue
-            lines = text.splitlines()
-            index = (pod.metadata.annotations or {}).get(k8s_manifests.COMPLETION_INDEX)
-            for line in lines[relayed.get(name, 0):]:
-                on_line(f"[{index}] {line}" if index is not None else line)
-            relayed[name] = len(lines)
 
     # -- stop --------------------------------------------------------------------------------------
 
@@ -177,3 +166,9 @@ class KubernetesBackend:
                                handle.get("try_number"), bound)
                 return False
             time.sleep(POLL_SECONDS)
+
+
+def _prefix(pod: Any) -> str:
+    """A Job's pod's lines carry its completion index; a lone pod's none."""
+    index = (pod.metadata.annotations or {}).get(k8s_manifests.COMPLETION_INDEX)
+    return f"[{index}] " if index is not None else ""
