@@ -250,3 +250,15 @@ def test_a_run_whose_log_is_read_whole_draws_its_exact_steps_alone(tmp_path):
     c = summary.run_summary(storage, DAG, RUN)["curves"]
     assert c["history"] is None and c["step"] == list(range(10, 3010, 10)) and c["points"] == c["shown"] == 300
     assert [m["step"] for m in c["spikes"]] == [20] and c["resumes"] == [40]
+
+
+def test_bench_view_reports_first_paint_bytes_read_and_the_marks(tmp_path):
+    from ballast.bench.view import EARLY_ANOMALY, bench_view
+
+    r = bench_view(steps=20_000)
+    assert set(r["targets"]) == {"first_paint_s", "bytes_read_mib", "whole_run_with_marks"}
+    assert r["targets"]["first_paint_s"]["target"] == "<= 1.0" and len(r["first_paint_seconds"]) == 3
+    assert r["targets"]["whole_run_with_marks"]["met"] and r["marks"]["anomaly_at_early_step"]
+    assert r["marks"]["restarts_in_tries"] == 1 and r["points_for_steps"] == 20_000 and EARLY_ANOMALY < 10 * 20_000
+    assert r["bytes_read_by_record"]["train/metrics.jsonl"] == r["event_log_bytes"]  # under 16 MiB: read whole
+    assert r["payload_bytes"] > 0 and r["bytes_read"] >= r["event_log_bytes"] + r["history_bytes"]

@@ -41,5 +41,9 @@ def run_benchmark(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from ballast.bench.scale import bench_scale
 
         return bench_scale(**({"rows": args.rows} if getattr(args, "rows", None) else {}))
+    if name == "view":
+        from ballast.bench.view import bench_view
+
+        return bench_view()
     raise ValueError(f"unknown benchmark {name!r}")
 

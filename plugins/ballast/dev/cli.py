@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="run a benchmark and write its JSON")
     s.add_argument("name", choices=["parse", "overhead", "checkpoint", "recovery", "goodput", "convert", "read",
-                                           "warmup", "lm", "sharded-checkpoint", "scale"])
+                                           "warmup", "lm", "sharded-checkpoint", "scale", "view"])
     s.add_argument("--rows", type=int, help="convert, warmup, scale: rows of synthetic data (convert, scale: 1x)")
     s.add_argument("--samples", type=int, help="read: number of samples")
     s.add_argument("--specs", type=int, default=50, help="parse: number of generated specs")
