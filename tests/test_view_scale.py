@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
-
-pytestmark = pytest.mark.unit
 
 DAG, RUN = "ballast_demo", "manual__2026-12-05T00_00_00"
 
@@ -24,6 +23,7 @@ def _feed(history, steps, values):
         history.add_step(int(step), 1000.0 + i, {name: values[name][i] for name in SERIES})
 
 
+@pytest.mark.unit
 def test_bucket_min_max_mean_are_exact_after_merges():
     from ballast.training.curves import BUCKETS, SERIES, CurveHistory
 
@@ -57,6 +57,7 @@ def test_bucket_min_max_mean_are_exact_after_merges():
     assert covered == steps.size == h.steps
 
 
+@pytest.mark.unit
 def test_the_history_stays_bounded_for_a_million_logged_steps(tmp_path):
     from ballast.training.curves import BUCKETS, CURVES, CurveHistory, read_history, write_history
 
@@ -73,6 +74,7 @@ def test_the_history_stays_bounded_for_a_million_logged_steps(tmp_path):
     assert back is not None and back.buckets()[0]["loss"]["max"] == 1.0 and back.steps == 10**6
 
 
+@pytest.mark.unit
 def test_repeats_after_a_resume_are_skipped_and_marks_are_bounded():
     from ballast.training.curves import MAX_MARKS, CurveHistory
 
@@ -91,6 +93,7 @@ def test_repeats_after_a_resume_are_skipped_and_marks_are_bounded():
     assert items[0]["loss"] is None and items[0]["zscore"] == 4.0
 
 
+@pytest.mark.unit
 def test_rank_zeros_metrics_write_the_history_beside_the_event_log(tmp_path):
     from ballast.training.curves import CURVES, read_history
     from ballast.training.monitor import Metrics
@@ -112,6 +115,7 @@ def test_rank_zeros_metrics_write_the_history_beside_the_event_log(tmp_path):
     assert again.curves.history.steps == 5 and again.curves.history.resumes.items == [{"step": 30}]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line", [
     b'{"event": "step", "time": 1.5, "step": 10, "rank": 0, "loss": 0.5, "version": 1}',
     b'{"event": "step", "time": 2, "step": 10.5, "loss": NaN, "grad_norm": Infinity}',
@@ -133,8 +137,8 @@ def test_event_lines_decoded_at_once_read_as_the_contract_reads_each(line):
         got, bad = parse_events(lines)
         want = [e for e in (parse_event(x) for x in lines) if e is not None]
         assert bad == len(lines) - len(want)
-        assert got == [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in e.model_dump().items()}
-                       for e in want]
+        assert got == [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                        for k, v in e.model_dump().items()} for e in want]
 
 
 # --- the view: the log's last 16 MiB and the history -------------------------------------------------------
@@ -184,8 +188,8 @@ def _long_run(tmp_path, steps: int, *, early_anomaly: int, resume: int):
     with open(train / EVENTS, "w") as fh:
         for i in range(1, steps + 1):
             step, at = 10 * i, 1000.0 + i
-            fields = {"loss": 2.0 + math.sin(i / 500), "grad_norm": 1.0 + (i % 7) / 10, "lr": 1e-3, "loss_scale": 1024.0,
-                      "data_s": 0.001, "compute_s": 0.01, "comm_opt_s": 0.001, "epoch": 0}
+            fields = {"loss": 2.0 + math.sin(i / 500), "grad_norm": 1.0 + (i % 7) / 10, "lr": 1e-3,
+                      "loss_scale": 1024.0, "data_s": 0.001, "compute_s": 0.01, "comm_opt_s": 0.001, "epoch": 0}
             extra = []
             if step == early_anomaly:
                 extra.append(("anomaly", {"kind": "loss_spike", "loss": 40.0, "zscore": 9.0}))
@@ -198,6 +202,7 @@ def _long_run(tmp_path, steps: int, *, early_anomaly: int, resume: int):
     return storage
 
 
+@pytest.mark.unit
 def test_the_view_reads_the_logs_tail_and_the_history_for_the_whole_run(tmp_path, monkeypatch):
     from ballast.ui import reader, summary
 
@@ -207,7 +212,8 @@ def test_the_view_reads_the_logs_tail_and_the_history_for_the_whole_run(tmp_path
     s = summary.run_summary(counted, DAG, RUN)
     log_key = next(k for k in counted.read_bytes if k.endswith("train/metrics.jsonl"))
     assert counted.read_bytes[log_key] <= 256 << 10 < storage.size(log_key)  # only the tail was read
-    assert s["records"]["states"]["train/metrics.jsonl"] == "partial" and s["records"]["states"]["train/curves.json"] == "ok"
+    states = s["records"]["states"]
+    assert states["train/metrics.jsonl"] == "partial" and states["train/curves.json"] == "ok"
     c = s["curves"]
     hist = c["history"]
     assert hist is not None and c["step"][0] < 200 and c["step"][-1] == 200_000  # the whole run, start to end
@@ -226,6 +232,7 @@ def test_the_view_reads_the_logs_tail_and_the_history_for_the_whole_run(tmp_path
     json.dumps(s, allow_nan=False)  # what the page gets is plain JSON
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mib", [20])
 def test_the_reader_reads_at_most_16_mib_of_a_larger_log(tmp_path, mib):
     from ballast.storage import FileStorage
@@ -243,6 +250,7 @@ def test_the_reader_reads_at_most_16_mib_of_a_larger_log(tmp_path, mib):
     assert [e["step"] for e in events] == list(range(events[0]["step"], n))  # every line of the tail, none cut
 
 
+@pytest.mark.unit
 def test_a_run_whose_log_is_read_whole_draws_its_exact_steps_alone(tmp_path):
     from ballast.ui import summary
 
@@ -252,6 +260,7 @@ def test_a_run_whose_log_is_read_whole_draws_its_exact_steps_alone(tmp_path):
     assert [m["step"] for m in c["spikes"]] == [20] and c["resumes"] == [40]
 
 
+@pytest.mark.unit
 def test_bench_view_reports_first_paint_bytes_read_and_the_marks(tmp_path):
     from ballast.bench.view import EARLY_ANOMALY, bench_view
 
@@ -262,3 +271,78 @@ def test_bench_view_reports_first_paint_bytes_read_and_the_marks(tmp_path):
     assert r["marks"]["restarts_in_tries"] == 1 and r["points_for_steps"] == 20_000 and EARLY_ANOMALY < 10 * 20_000
     assert r["bytes_read_by_record"]["train/metrics.jsonl"] == r["event_log_bytes"]  # under 16 MiB: read whole
     assert r["payload_bytes"] > 0 and r["bytes_read"] >= r["event_log_bytes"] + r["history_bytes"]
+
+
+@pytest.mark.integration
+def test_the_page_draws_a_long_runs_history_band_and_marks_in_a_browser(tmp_path):
+    """The run page of a run whose log the view reads only the tail of, in headless Chromium against the
+    app served by uvicorn: rendered, its note names the history's spans, the loss chart has its band
+    and the anomaly and resume series, and the console has no error (a script fault, a CSP refusal)."""
+    import threading
+
+    import uvicorn
+    from airflow.api_fastapi.core_api.security import get_user
+    from ballast.bench.view import DAG as BDAG
+    from ballast.bench.view import RUN as BRUN
+    from ballast.bench.view import _Catalog, write_run
+    from ballast.ui import app as ui
+    from ballast.ui import reader
+    from helpers import free_port
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    storage, _, _ = write_run(tmp_path, 40_000)
+    reader_bound = reader.MAX_EVENTS_BYTES
+    reader.MAX_EVENTS_BYTES = 1 << 20  # the tail is the last 1 MiB of this 9 MiB log: the rest from the history
+    app = ui.create_app(_Catalog(storage))
+    app.dependency_overrides[get_user] = lambda: None
+    app.dependency_overrides[ui.READ_RUNS.dependency] = lambda: None
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    browser = None
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        browser = _chromium()
+        browser.get(f"http://127.0.0.1:{port}/runs/{BDAG}/{BRUN}")
+        WebDriverWait(browser, 60).until(
+            lambda b: b.find_element(By.ID, "app").get_attribute("data-state") in ("rendered", "error"))
+        assert browser.find_element(By.ID, "app").get_attribute("data-state") == "rendered"
+        note = browser.find_element(By.ID, "curves-note").text
+        assert "spans of" in note and "1 anomaly(ies) marked" in note and "1 resume(s) marked" in note, note
+        loss = browser.find_element(By.CSS_SELECTOR, '[data-chart="loss"]')
+        legend = loss.text
+        assert all(word in legend for word in ("loss max", "loss min", "anomaly", "resume")), legend
+        assert browser.find_elements(By.CSS_SELECTOR, '[data-chart="loss"] canvas')
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"
+                  and "favicon.ico" not in e["message"]]  # the bare app has none; Airflow's server does
+        assert not errors, errors
+    finally:
+        reader.MAX_EVENTS_BYTES = reader_bound
+        if browser is not None:
+            browser.quit()
+        server.should_exit = True
+        thread.join(10)
+
+
+def _chromium():
+    """Headless Chromium with its console logged (as tests/test_ui.py drives it)."""
+    import shutil
+
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.fail("Debian's chromium and chromium-driver are not installed: `make browser` installs them")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
+                 "--window-size=1400,2200"):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+

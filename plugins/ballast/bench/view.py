@@ -96,7 +96,8 @@ def write_run(root: Path, steps: int = LOGGED_STEPS) -> tuple[Any, Path]:
             if step == EARLY_RESUME:
                 events.append(("resume", {"path": "checkpoints/step-00001500", "seconds": 0.8}))
             for name, f in events:
-                batch.append(event_line(Event.model_validate({"event": name, "time": at, "step": step, "rank": 0, **f})))
+                event = Event.model_validate({"event": name, "time": at, "step": step, "rank": 0, **f})
+                batch.append(event_line(event))
                 rec.event(name, step, at, f)
             if len(batch) >= 20_000:
                 fh.write("".join(batch))
