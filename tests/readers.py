@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 
 LISTS = Path(__file__).resolve().parent / "reader_envs"
+REUSE_MAIN = "# reader-env: reuse the main environment"
+"""A list holding this line gets the test environment's own packages (torch, Ballast) after its own, through
+a .pth file (`site.addsitedir`): a reader that needs torch does not download it again."""
 README = Path(__file__).resolve().parents[1] / "README.md"
 BUILD_TIMEOUT = 1500
 
@@ -58,8 +61,21 @@ def reader_python(name: str) -> Path:
                 tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
                 pytest.skip(f"the {name} reader environment cannot be built here ({' '.join(argv[:4])}...): "
                             + " | ".join(tail))
+            if argv[1:3] == ["-m", "venv"] and REUSE_MAIN in pins.splitlines():
+                _reuse_main(python)
         (env / ".complete").write_text(pins)
     return python
+
+
+def _reuse_main(python: Path) -> None:
+    """The packages of the environment running the tests, after the reader's own (REUSE_MAIN)."""
+    import sysconfig
+
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "zz-ballast-main-env.pth").write_text("".join(f"import site; site.addsitedir({p!r})\n"
+                                                            for p in sorted(ours)))
 
 
 def run_reader(name: str, script: str, *args: str, timeout: float = 600) -> str:

@@ -372,3 +372,76 @@ def test_a_model_trained_under_fsdp_on_two_ranks_is_published_in_shards_giving_t
     _same_outputs(trained, model)
     baseline = registry.load(registry.weights(ctx, registry.latest(ctx), tmp_path / "baseline"), card["model_section"])
     _same_outputs(trained, baseline)
+
+
+# --- transformers: a hf_causal_lm model published in shards loads with from_pretrained ---------------------
+
+HF = {"name": "hf_causal_lm",
+      "options": {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 300,
+                             "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}},
+      "data": {**GPT["data"], "vocab_size": 257}}
+
+_HF_BUILD = """
+import json, sys, warnings
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from ballast.training.config.run import ModelConfig
+from ballast.training.models import build_configured_model
+
+section, out = json.loads(sys.argv[1]), sys.argv[2]
+torch.manual_seed(0)
+model = build_configured_model(ModelConfig.model_validate(section)).eval()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=out + "/ckpt", no_dist=True)  # the trainer's layout
+tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    save_file({"tokens": tokens, "logits": model(tokens)}, out + "/expected.safetensors")
+"""
+
+_HF_LOAD = """
+import json, sys
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from ballast.training import checkpoint as ckpt
+from ballast.training.config.run import ModelConfig
+from ballast.training.models import build_configured_model
+
+section, folder, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+expected = load_file(out + "/expected.safetensors")
+hf, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+hf.eval()
+ours = build_configured_model(ModelConfig.model_validate(section)).eval()
+ours.load_state_dict(ckpt.load_tensors(folder + "/model.safetensors.index.json"))  # Ballast's load (if_better)
+with torch.no_grad():
+    theirs = hf(input_ids=expected["tokens"], use_cache=False).logits
+    again = ours(expected["tokens"])
+print(json.dumps({"class": type(hf).__name__, "info": {k: sorted(map(str, v)) for k, v in info.items()},
+                  "transformers": torch.equal(theirs, expected["logits"]), "ballast": torch.equal(again, expected["logits"]),
+                  "max_diff": float((theirs - expected["logits"]).abs().max())}))
+"""
+
+
+@pytest.mark.integration
+def test_a_hf_causal_lm_published_in_shards_loads_with_transformers_from_pretrained(tmp_path):
+    """In a reader environment with transformers (tests/reader_envs/transformers.txt): a hf_causal_lm model
+    saved as a DCP checkpoint is published (here, in the test's environment, without transformers) as
+    >= 3 shards in transformers' names with its config.json; `AutoModelForCausalLM.from_pretrained(dir)`
+    loads every weight and gives the model's logits exactly, and so does Ballast's own load."""
+    from ballast.stages.publish import to_safetensors
+    from readers import run_reader
+
+    run_reader("transformers", _HF_BUILD, json.dumps(HF), str(tmp_path))
+    folder = tmp_path / "pub"
+    files = to_safetensors(tmp_path / "ckpt", folder, metadata={"pipeline": "p"}, max_shard_bytes=20_000,
+                           model_section=HF)
+    assert list(files)[0] == "config.json" and list(files)[-1] == published.INDEX and len(files) >= 5
+    assert json.loads((folder / "config.json").read_text()) == HF["options"]["config"]
+    names = json.loads((folder / published.INDEX).read_text())["weight_map"]
+    assert "transformer.wte.weight" in names and not any(k.startswith("model.") for k in names)
+    got = json.loads(run_reader("transformers", _HF_LOAD, json.dumps(HF), str(folder), str(tmp_path)).splitlines()[-1])
+    assert got["class"] == "GPT2LMHeadModel"
+    assert not any(got["info"].values()), got["info"]  # no missing, unexpected or mismatched weight
+    assert got["transformers"] and got["ballast"], got

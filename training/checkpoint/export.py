@@ -10,7 +10,9 @@ once their file is written. No process holds more than one output shard's tensor
 `max_shard_bytes`, or the one tensor larger than it) plus a piece being read: never the whole model.
 
 One shard: `model.safetensors`, as before. Several: `model-0000k-of-0000N.safetensors` and
-`model.safetensors.index.json` (the layout in `published`). Each file is written under a temporary
+`model.safetensors.index.json` (the layout in `published`). A `hf_causal_lm` model is written in
+transformers' own tensor names with its `config.json`, so `AutoModelForCausalLM.from_pretrained(dir)`
+loads it (`transformers_layout`; Ballast's wrapper takes those names back, `models.hf`). Each file is written under a temporary
 name and renamed; the index last. Tensors that share memory (tied embeddings) are each written in
 full, so that `load_state_dict` of the loaded dict restores them. Importing this module does not
 import torch.
@@ -32,6 +34,7 @@ from ballast.training.failure import CheckpointFailure
 
 MAX_SHARD_BYTES = 5_000_000_000
 """transformers' default `max_shard_size` ("5GB")."""
+CONFIG = "config.json"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class Exported:
     """What a reader opens: model.safetensors, or the index of the shards."""
     total_size: int
     """The tensors' bytes."""
+    config: str | None = None
+    """config.json, written beside the weights for transformers (`transformers_layout`), if any."""
 
 
 @dataclass(frozen=True)
@@ -160,32 +165,57 @@ def _own(tensors: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def transformers_layout(model_section: dict[str, Any]) -> tuple[Callable[[str], str], dict[str, Any] | None] | None:
+    """For a `hf_causal_lm` model: (the tensor names transformers has, i.e. without the Ballast wrapper's
+    `model.`, and the config.json that `AutoModelForCausalLM.from_pretrained` needs: its `config` option,
+    or the config.json of its `path` where that is readable here, else None); None for any other model."""
+    if model_section.get("name") != "hf_causal_lm":
+        return None
+    options = model_section.get("options") or {}
+    config = None
+    if isinstance(options.get("config"), dict):
+        config = dict(options["config"])  # {model_type, settings}: what AutoConfig.for_model was given
+    elif options.get("path"):
+        try:
+            config = json.loads((Path(options["path"]) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = None
+    return (lambda name: name.removeprefix("model.")), config
+
+
 def export(src: Path, dest_dir: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES,
-           metadata: dict[str, str] | None = None) -> Exported:
-    """Write the model of `src` into `dest_dir` as published weights, one shard in memory at a time.
+           metadata: dict[str, str] | None = None, model_section: dict[str, Any] | None = None) -> Exported:
+    """Write the model of `src` into `dest_dir` as published weights, one shard in memory at a time;
+    for a `hf_causal_lm` model (`model_section`) in transformers' names, with its config.json.
     Files of an earlier export there (either layout) are removed first."""
     from safetensors.torch import save_file
 
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     for old in dest_dir.iterdir():
-        if old.name in (SINGLE, INDEX) or SHARD.fullmatch(old.name):
+        if old.name in (SINGLE, INDEX, CONFIG) or SHARD.fullmatch(old.name):
             old.unlink()
+    hf = transformers_layout(model_section or {})
+    rename = hf[0] if hf else (lambda name: name)
     meta = {"format": "pt", **(metadata or {})}  # "format": transformers refuses a safetensors file without it
     weight_map: dict[str, str] = {}
     files, total = [], 0
     for name, tensors in shards(src, max_shard_bytes):
-        tensors = _own(tensors)
+        tensors = {rename(k): v for k, v in _own(tensors).items()}
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         _write(dest_dir / name, lambda tmp, t=tensors: save_file(t, str(tmp), metadata=meta))
         weight_map.update(dict.fromkeys(tensors, name))
         files.append(name)
         del tensors  # this shard's memory goes before the next shard is read
+    config = None
+    if hf and hf[1] is not None:
+        _write(dest_dir / CONFIG, lambda tmp: tmp.write_text(json.dumps(hf[1], indent=2)))
+        config = CONFIG
     if files == [SINGLE]:
-        return Exported(files=files, weights_file=SINGLE, total_size=total)
+        return Exported(files=files, weights_file=SINGLE, total_size=total, config=config)
     index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map}
     _write(dest_dir / INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2)))
-    return Exported(files=[*files, INDEX], weights_file=INDEX, total_size=total)
+    return Exported(files=[*files, INDEX], weights_file=INDEX, total_size=total, config=config)
 
 
 def _write(dest: Path, write: Callable[[Path], Any]) -> None:

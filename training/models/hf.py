@@ -52,11 +52,19 @@ def hf_causal_lm(options: dict[str, Any], data: dict[str, Any]) -> Any:
         def __init__(self):
             super().__init__()
             self.model = inner
+            self.register_load_state_dict_pre_hook(_from_transformers_names)
 
         def forward(self, tokens):
             return self.model(input_ids=tokens.long(), use_cache=False).logits
 
     return CausalLM()
+
+
+def _from_transformers_names(module: Any, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Weights published for transformers (named as the inner model names them: `transformer.h.0...`,
+    ballast.training.checkpoint.export) load into this wrapper too: its `model.` goes back in front."""
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "model.")]:
+        state_dict[f"{prefix}model.{key[len(prefix):]}"] = state_dict.pop(key)
 
 
 hf_causal_lm.options_schema = OPTIONS_SCHEMA

@@ -23,21 +23,24 @@ from ballast.recovery import history
 from ballast.storage import sha256_file
 
 WEIGHTS = "model.safetensors"
+CONFIG = "config.json"  # transformers' config of a hf_causal_lm model (ballast.training.checkpoint.export)
 TOKENIZER = "tokenizer.json"
 
 
-def to_safetensors(src: Path, dest: Path, *, metadata: dict[str, str],
-                   max_shard_bytes: int | None = None) -> dict[str, str]:
+def to_safetensors(src: Path, dest: Path, *, metadata: dict[str, str], max_shard_bytes: int | None = None,
+                   model_section: dict | None = None) -> dict[str, str]:
     """The tensor file `src`, or the model of the checkpoint directory `src` (its model.pt, or a sharded
     checkpoint's model pieces; loaded without unpickling), as published weights in the directory `dest`:
     one model.safetensors, or shards and their index when the model is larger than `max_shard_bytes`
     (read and written one shard at a time). Tensors that share memory (tied embeddings) are written
-    each in full, so that a plain `load_state_dict` of the loaded weights restores them. Returns
-    {file name: sha256} in the order written (the index, if any, last)."""
+    each in full, so that a plain `load_state_dict` of the loaded weights restores them. A `hf_causal_lm`
+    model (`model_section`) is written in transformers' names with its config.json (first in the
+    result). Returns {file name: sha256} in the order to upload (the weights' index, if any, last)."""
     from ballast.training.checkpoint.export import MAX_SHARD_BYTES, export
 
-    done = export(src, dest, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES, metadata=metadata)
-    return {name: sha256_file(dest / name) for name in done.files}
+    done = export(src, dest, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES, metadata=metadata,
+                  model_section=model_section)
+    return {name: sha256_file(dest / name) for name in ([done.config] if done.config else []) + done.files}
 
 
 def _tokenizer(ctx: RunContext, conv) -> dict | None:
@@ -78,8 +81,9 @@ def run(ctx: RunContext) -> PublishResult:
     training = TrainingOutcome(epochs=train.epochs, steps=train.steps, stopped_early=train.stopped_early)
     out = ctx.work_dir / "publish"
     files = to_safetensors(best, out, metadata={"pipeline": spec.name, "version": version},
-                           max_shard_bytes=spec.evaluation.publish_shard_bytes)
+                           max_shard_bytes=spec.evaluation.publish_shard_bytes, model_section=recorded)
     weights_file = list(files)[-1]  # model.safetensors, or the shards' index (written last)
+    config = files.pop(CONFIG, None)  # hf_causal_lm: transformers' config.json beside the weights
     tokenizer = _tokenizer(ctx, conv)
     card = {
         "name": spec.name, "version": version, "dag_id": ctx.dag_id, "run_id": ctx.run_id,
@@ -93,13 +97,15 @@ def run(ctx: RunContext) -> PublishResult:
         "weights_file": weights_file, "weights_sha256": files[weights_file],
         # Sharded: every shard's sha256 too (the index's names them; a reader checks each it fetches).
         "weights_shards": {k: v for k, v in files.items() if k != weights_file} or None,
+        "transformers_config_sha256": config,
         "tokenizer": tokenizer,
         "training": training.model_dump(mode="json"),
         "spec": spec.model_dump(mode="json"), "published": time.time(),
         "load_with": ("safetensors.torch.load_file('model.safetensors')" if weights_file == WEIGHTS else
                       "safetensors.torch.load_file of each file the weight_map of model.safetensors.index.json"
                       " names, merged") + " -> the state_dict of the model that the entry point `model.name`"
-                     " (group ballast.models) builds from model.options and model.data",
+                     " (group ballast.models) builds from model.options and model.data"
+                     + ("; or transformers.AutoModelForCausalLM.from_pretrained(<this directory>)" if config else ""),
     }
     attempts = history.load_all(ctx)
     summary = RecoverySummary.of(attempts)
@@ -112,7 +118,7 @@ def run(ctx: RunContext) -> PublishResult:
     card["lineage"]["warm_started_from"] = train.warm_started_from
     publish, reason = _beats_published(ctx, ev)
     if publish:
-        for name in files:  # the shards, then their index; the PUBLISHED marker after every one
+        for name in ([CONFIG] if config else []) + list(files):  # the shards, then their index; PUBLISHED after all
             ctx.storage.upload(out / name, f"{prefix}/{name}")
         if tokenizer and tokenizer.get("file"):
             ctx.storage.write_bytes(f"{prefix}/{TOKENIZER}", ctx.storage.read_bytes(tokenizer["source_key"]))
