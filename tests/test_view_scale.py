@@ -128,12 +128,14 @@ def test_rank_zeros_metrics_write_the_history_beside_the_event_log(tmp_path):
     b'{"event": "step", "time": 1.0, "step": 99999999999999999999999}',
     b'{"event": "step", "time": 1.0, "st',
     b'[1, 2]',
+    b'{"event": "step", "time": 1.0, "step": 4}, {"event": "step", "time": 1.0, "step": 5}',  # two on one line
+    b'{"event": "step", "time": 1.0, "step": 6, "x": [1\n2]}',  # a line broken in two
 ])
 def test_event_lines_decoded_at_once_read_as_the_contract_reads_each(line):
     from ballast.training.outputs import parse_event, parse_events
 
     good = b'{"event": "step", "time": 1.0, "step": 1, "loss": 0.25}'
-    for lines in ([good, line, good], [good, good, line], [line]):
+    for lines in ([good, *line.split(b"\n"), good], [good, good, *line.split(b"\n")], line.split(b"\n")):
         got, bad = parse_events(lines)
         want = [e for e in (parse_event(x) for x in lines) if e is not None]
         assert bad == len(lines) - len(want)

@@ -222,11 +222,12 @@ def parse_events(lines: list[bytes]) -> tuple[list[dict[str, Any]], int]:
     finite) takes the lines of the common shape; a line it refuses or of an unusual shape goes through
     `parse_event` itself. Blank lines are neither."""
     lines = [line for line in lines if line.strip()]
-    decode = _strict_decoder()
+    decoder = _strict_decoder()
     decoded: list[Any] = []
-    if decode is not None and lines:
-        try:  # all at once; the last line may be one being written
-            decoded = decode(b"[" + b",".join(lines[:-1]) + b"]")
+    if decoder is not None and lines:
+        decode, decode_lines = decoder
+        try:  # all at once, each line on its own; the last line may be one being written
+            decoded = decode_lines(b"\n".join(lines[:-1]))
         except ValueError:
             decoded = []
         if len(decoded) == len(lines) - 1:
@@ -258,13 +259,21 @@ def _strict_decoder() -> Any:
     except ImportError:  # the training image may not have it: every line goes through parse_event
         return None
 
+    decoder = msgspec.json.Decoder()
+
     def decode(data: bytes) -> Any:
         try:
-            return msgspec.json.decode(data)
+            return decoder.decode(data)
         except msgspec.DecodeError as exc:
             raise ValueError(str(exc)) from exc
 
-    return decode
+    def decode_lines(data: bytes) -> list[Any]:
+        try:
+            return decoder.decode_lines(data)
+        except msgspec.DecodeError as exc:
+            raise ValueError(str(exc)) from exc
+
+    return decode, decode_lines
 
 
 def _or_none(decode: Any, line: bytes) -> Any:
