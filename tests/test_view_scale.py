@@ -263,6 +263,20 @@ def test_a_run_whose_log_is_read_whole_draws_its_exact_steps_alone(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_damaged_history_is_named_and_the_log_still_draws(tmp_path):
+    from ballast.training.curves import CURVES
+    from ballast.ui import summary
+
+    storage = _long_run(tmp_path, 50, early_anomaly=20, resume=40)
+    prefix = summary.run_prefix(storage, DAG, RUN)
+    storage.write_bytes(f"{prefix}/train/{CURVES}", b'{"span": "wide"')
+    s = summary.run_summary(storage, DAG, RUN)
+    assert s["records"]["states"]["train/curves.json"] == "corrupt"
+    assert s["records"]["problems"]["train/curves.json"] == "not a curve history"
+    assert s["curves"]["step"] == list(range(10, 510, 10)) and s["curves"]["history"] is None
+
+
+@pytest.mark.unit
 def test_bench_view_reports_first_paint_bytes_read_and_the_marks(tmp_path):
     from ballast.bench.view import EARLY_ANOMALY, bench_view
 
