@@ -4,6 +4,8 @@ rank's figures, the state restored exactly by both loads, and no rank process le
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from ballast.bench import sharded_checkpoint as bench
 
@@ -96,3 +98,36 @@ def test_a_failing_rank_ends_the_bench_with_its_error_and_no_rank_left(monkeypat
     with pytest.raises(RuntimeError, match=r"rank-\d\.error: ConfigFailure: .*width 64 must be a multiple of heads 3"):
         bench.bench_sharded_checkpoint(small=True, timeout=120)
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.unit
+def test_pruning_after_a_save_does_not_hash_the_checkpoint_it_just_committed(tmp_path, monkeypatch):
+    """The bench's finding (save_vs_dcp): prune re-read the whole checkpoint just written on the leader.
+    Now it hashes nothing the save has just committed, and still verifies one whose manifest changed since."""
+    import torch
+    from ballast.training import checkpoint as ckpt
+    from ballast.training.checkpoint import commit
+
+    hashed = []
+    real = commit.sha256_file
+    monkeypatch.setattr(commit, "sha256_file", lambda path, *a, **k: (hashed.append(Path(path)), real(path, *a, **k))[1])
+    root = tmp_path / "ckpt"
+    saver = ckpt.AsyncSaver(root, rank=0, barrier=lambda: None, keep_last=2)
+    for step in (1, 2, 3):
+        saver.save(step, {"model.pt": {"w": torch.ones(4) * step}}, {ckpt.TRAINER_STATE: {"step": step}},
+                   keep=set(), asynchronous=step % 2 == 0)
+        saver.wait()
+    assert hashed == []  # every file was hashed as it was written; prune read none of them back
+    assert [p.name for p in ckpt.committed(root)] == ["step-00000002", "step-00000003"]
+    for path in ckpt.committed(root):
+        ckpt.verify(path)
+    hashed.clear()
+    # A checkpoint whose manifest is rewritten after its commit is not the one this saver wrote: verified again.
+    newest = ckpt.committed(root)[-1]
+    (newest / "model.pt").write_bytes(bytes((newest / "model.pt").stat().st_size))
+    manifest = newest / ckpt.MANIFEST
+    manifest.write_text(manifest.read_text() + " ")
+    saver.save(4, {"model.pt": {"w": torch.ones(4)}}, {ckpt.TRAINER_STATE: {"step": 4}}, keep=set(), asynchronous=False)
+    assert newest / "model.pt" in hashed
+    # the damaged one is not counted towards keep_last: the good step 2 stays beside the new one
+    assert [p.name for p in ckpt.committed(root)] == ["step-00000002", "step-00000003", "step-00000004"]

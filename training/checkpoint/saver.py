@@ -86,6 +86,7 @@ class AsyncSaver:
                     w.write_json(name, obj)
             self.last_path = w.commit()
             if w.leader:  # each node prunes its own disk where the directories are node-local
+                _remember_verified(self._verified, self.last_path)
                 prune(self.root, keep_last=self.keep_last, keep=keep, log=self.log, memo=self._verified)
             if self.on_written is not None:
                 self.on_written(step, time.monotonic() - t0)
@@ -105,6 +106,22 @@ class AsyncSaver:
             if cls in ("communication", "hang", "oom", "hardware"):
                 raise TrainingFailure(f"{self.root}: checkpoint save failed: {exc}", failure_class=cls) from exc
             raise CheckpointFailure(f"{self.root}: checkpoint save failed: {exc}") from exc
+
+
+def _remember_verified(memo: dict[Path, tuple], path: Path) -> None:
+    """Enter a checkpoint this writer has just committed into prune's memo of verified ones: its manifest
+    holds the sha256 of the bytes this save wrote (hashed as written, or read back once by the rank that
+    wrote them), so prune's `verify` would only hash the same bytes again (~0.7 s per GB on the leader,
+    inside every synchronous save; measured by `ballast bench sharded-checkpoint`). Keyed as
+    commit._verify_once keys its memo (the marker's and manifest's inode, mtime and size): a checkpoint
+    whose marker or manifest changes afterwards is verified again."""
+    from ballast.training.checkpoint.commit import COMMIT_MARKER, MANIFEST
+
+    try:
+        memo[path] = tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in ((path / COMMIT_MARKER).stat(),
+                                                                          (path / MANIFEST).stat()))
+    except OSError:
+        memo.pop(path, None)  # prune verifies it
 
 
 def _set_policy(tid: int, policy: str) -> bool:

@@ -71,6 +71,8 @@ def bench_sharded_checkpoint(*, small: bool = False, device: str = "cpu", timeou
             failure = _wait(procs, deadline=started + timeout)
         finally:
             for p in procs:  # whatever happened, no rank outlives the bench
+                if p.pid is None:
+                    continue  # never started
                 if p.is_alive():
                     p.kill()
                 p.join(10)
