@@ -309,3 +309,101 @@ def test_fsdp_on_two_nodes_pushes_real_shards_per_node_and_resumes_from_storage_
     assert re.search(rf"resumed from \S*{newest.name} \(epoch \d+, step {step}\)", outs[0]), outs[0][-2000:]
     later = [p for p in ckpt.committed(tmp_path / "next" / "node1" / "ckpt") if ckpt.step_of_name(p.name) > step]
     assert later and {n for n in ckpt.held_files(later[-1]) if n.endswith(".distcp")} == {"__1_0.distcp"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import os
+    import shutil
+    import tempfile
+
+    from slurm_cluster import SlurmCluster, available
+
+    why = available()
+    if why:
+        pytest.fail(why)
+    base = Path(tempfile.mkdtemp(prefix="ballast-slurm-"))
+    base.chmod(0o755)  # munged wants every directory above its socket world-searchable
+    c = SlurmCluster(base, memory_mb=12000).start()
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(c.conf)
+    yield c
+    c.stop()
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+    assert c.leftovers() == [], "job processes outlived the cluster"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_bucket(s3_endpoint, monkeypatch):
+    """The S3 server on loopback, reachable from the Slurm job's processes through the environment
+    sbatch exports."""
+    import boto3
+
+    for key, value in {"AWS_ENDPOINT_URL_S3": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket="ballast-multinode")
+    return "ballast-multinode"
+
+
+@pytest.mark.e2e
+def test_two_slurm_nodes_on_s3_push_their_own_shards_and_a_killed_rank_resumes_from_storage_at_the_step(
+        cluster, airflow_db, digits_raw, tmp_path, slurm_bucket):
+    import re
+    import sys
+
+    import boto3
+
+    from ballast.recovery import history
+    from helpers import run_spec_dag
+
+    def edit(d):
+        d["dataset"]["location"] = str(digits_raw)
+        d["storage"] = {"uri": f"s3://{slurm_bucket}/pipelines"}
+        d["training"].update(epochs=2, nodes=2, processes_per_node=1, global_batch_size=64, parallelism="fsdp",
+                             checkpoint={"every_steps": 10, "keep_last": 5},
+                             rehearsal={"faults": [{"kind": "crash", "step": 25, "rank": 1, "on_try": 1}]})
+        d["evaluation"].update(threshold=None, patience=10)
+        d["recovery"] = {"retry_delay_seconds": 0, "max_restarts": 0}
+        d["schedule"] = {}
+        d["execution"] = {"backend": "slurm", "slurm": {
+            "partition": "spot", "on_demand_partition": "ondemand", "python": sys.executable, "cpus_per_node": 1,
+            "memory": "3000M", "poll_seconds": 0.5}}
+
+    dr, ctx = run_spec_dag(tmp_path, edit, conf={"rehearsal": True}, name="multinode_s3")
+    logs = {p.name: p.read_text() for p in (ctx.work_dir / "train" / "jobs").glob("*.log")}
+    assert str(dr.state) == "success", "\n".join(t[-3000:] for t in logs.values())
+    tries = history.load(ctx, "train").attempts
+    assert [a.outcome for a in tries] == ["failed", "success"], [a.reason for a in tries]
+    # Try 1 died at step 25 (rank 1 SIGKILLed): node 0 had committed its checkpoints in storage once both
+    # nodes' shares were there; try 2's nodes each pulled the newest of them and the group resumed there,
+    # at that very step.
+    t1 = next(t for name, t in logs.items() if name.endswith("-t1.log"))
+    t2 = next(t for name, t in logs.items() if name.endswith("-t2.log"))
+    up = [int(s) for s in re.findall(r"checkpoint uploaded: \S*/step-(\d{8})", t1)]
+    shares = {int(n) for n in re.findall(r"checkpoint share pushed: \d+ file\(s\) of \S*/step-\d{8} from node (\d)", t1)}
+    assert up and max(up) >= 20 and shares == {0, 1}, t1[-3000:]
+    pulled = re.findall(r"checkpoints from storage: (\S+)", t2)
+    assert pulled == [f"step-{max(up):08d}"] * 2, t2[-3000:]  # on each node, the newest committed
+    assert tries[1].resumed_step == max(up), tries[1]
+    assert re.search(rf"resumed from \S*step-{max(up):08d} \(epoch \d+, step {max(up)}\)", t2), t2[-3000:]
+    prefix = f"{ctx.run_key}/checkpoints/"
+    from ballast.storage import checkpoints as sync
+
+    names = [n for n in sync.stored(ctx.storage, prefix) if sync.stored_files(ctx.storage, prefix, n)]
+    assert "step-00000020" in names and len(names) >= 2, names
+    s3 = boto3.client("s3")
+    root = ctx.storage.describe(prefix)[len(f"s3://{slurm_bucket}/"):]
+    for name in names:
+        listing = s3.list_objects_v2(Bucket=slurm_bucket, Prefix=f"{root}{name}/")["Contents"]
+        when = {o["Key"].rsplit("/", 1)[-1]: o["LastModified"] for o in listing}
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "PUSHED-node0.json", "PUSHED-node1.json"} <= set(when)
+        assert all(when[ckpt.COMMIT_MARKER] >= t for t in when.values()), (name, when)  # the marker last
+        pushed = [json.loads(ctx.storage.read_bytes(f"{prefix}{name}/PUSHED-node{n}.json")) for n in range(NODES)]
+        distcp = [{f for f in p["files"] if f.endswith(".distcp")} for p in pushed]
+        assert sorted(map(len, distcp)) == [1, 1] and distcp[0] | distcp[1] == {"__0_0.distcp", "__1_0.distcp"}
+    assert cluster.jobs() == [] and cluster.leftovers() == []
