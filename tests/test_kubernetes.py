@@ -774,3 +774,50 @@ def test_log_times_parse_and_lines_of_one_time_are_dropped_only_as_often_as_rela
     f._read_stream()
     f._read_stream()
     assert [out.get_nowait()[1] for _ in range(out.qsize())] == ["a", "b", "c", "d"]
+
+
+@pytest.mark.unit
+def test_a_follower_hung_on_an_ended_pod_is_stopped_and_the_replacements_lines_flow(monkeypatch):
+    import logging
+    import threading
+
+    from ballast.launch.kubernetes import logs
+
+    monkeypatch.setattr(logs, "CLOSE_SECONDS", 0.05)
+    hung = threading.Event()
+
+    class Core:
+        def read_namespaced_pod_log(self, name, *args, **kwargs):
+            if name == "p0":  # a lost node: the read never returns until the stream is closed
+
+                class Stuck:
+                    def stream(self, **kw):
+                        hung.wait(30)
+                        raise ConnectionError("closed")
+                        yield b""
+
+                    def close(self):
+                        hung.set()
+
+                    def release_conn(self):
+                        pass
+
+                return Stuck()
+            return type("R", (), {"stream": lambda self, **kw: iter([b"2026-12-05T06:13:07Z resumed\n"]),
+                                  "close": lambda self: None, "release_conn": lambda self: None})()
+
+    relay = logs.PodLogs(Core(), "ml", "train", logging.getLogger("test"))
+    old, new = job_pod({}, 0, "Running"), job_pod({}, 0, "Running")
+    new.metadata.name = "p0b"
+    relay.follow([old], prefix=lambda pod: "[0] ")
+    old.status.phase = "Failed"
+    relay.follow([old, new], prefix=lambda pod: "[0] ")
+    lines: list[str] = []
+    deadline = time.monotonic() + 10
+    while "[0] resumed" not in lines:
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.06)
+        relay.follow([old, new], prefix=lambda pod: "[0] ")  # past CLOSE_SECONDS: the hung read is stopped
+        relay.drain(lines.append)
+    relay.close(lines.append, timeout=1.0)
+    assert lines == ["[0] resumed"] and hung.is_set() and _log_threads() == []

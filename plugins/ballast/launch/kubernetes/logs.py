@@ -74,6 +74,7 @@ class Follower(threading.Thread):
         self.prefix, self.out, self.log, self.seq = prefix, out, log, seq
         self.ended = threading.Event()    # the pod has ended (or is gone): read to the stream's end, then stop
         self.cancelled = threading.Event()
+        self.ended_at = 0.0
         self.last: tuple[int, int] | None = None   # the timestamp of the last line relayed
         self.at_last = 0                            # lines relayed with exactly that timestamp
         self._skip = 0
@@ -179,10 +180,21 @@ class PodLogs:
                                                     self.queue, self.log, seq=len(self.followers))
                 f.start()
             if phase in ("Succeeded", "Failed", "Unknown"):
-                f.ended.set()
+                self._end(f)
         for name, f in self.followers.items():
             if name not in listed:
-                f.ended.set()
+                self._end(f)
+
+    def _end(self, f: Follower) -> None:
+        """The pod has ended: its follower reads to the end; one still reading CLOSE_SECONDS later (a
+        read hung on a lost node's connection) is stopped, so a replacement's lines are not held."""
+        now = time.monotonic()
+        if not f.ended.is_set():
+            f.ended_at = now
+            f.ended.set()
+        elif f.is_alive() and now - f.ended_at > CLOSE_SECONDS:
+            self.log.warning("log of pod %s not read to its end in %.0f s: stopped", f.pod, CLOSE_SECONDS)
+            f.cancel()
 
     def drain(self, on_line: Callable[[str], Any]) -> None:
         """Relay the lines read so far; a replacement pod's only after the pods before it of its prefix
