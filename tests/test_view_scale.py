@@ -277,6 +277,31 @@ def test_a_damaged_history_is_named_and_the_log_still_draws(tmp_path):
 
 
 @pytest.mark.unit
+def test_the_history_is_copied_to_remote_storage_with_the_event_log(tmp_path):
+    from types import SimpleNamespace
+
+    from ballast.storage.outputs import upload_outputs
+    from ballast.training.curves import CURVES, CurveHistory, write_history
+
+    class Remote:  # what upload_outputs asks of an S3 storage
+        def __init__(self):
+            self.keys = []
+
+        def local_path(self, key):
+            return None
+
+        def upload(self, path, key):
+            self.keys.append(key)
+
+    h = CurveHistory()
+    h.add_step(10, 1.0, {"loss": 1.0})
+    write_history(tmp_path, h)
+    (tmp_path / "metrics.jsonl").write_text("")
+    ctx = SimpleNamespace(storage=Remote(), run_key="runs/d/r")
+    assert upload_outputs(ctx, tmp_path) == ["runs/d/r/train/metrics.jsonl", f"runs/d/r/train/{CURVES}"]
+
+
+@pytest.mark.unit
 def test_bench_view_reports_first_paint_bytes_read_and_the_marks(tmp_path):
     from ballast.bench.view import EARLY_ANOMALY, bench_view
 
