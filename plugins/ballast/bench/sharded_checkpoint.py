@@ -16,7 +16,8 @@ rank. Every rank (`ballast.bench.sharded_checkpoint_rank`, one spawned process e
   same sharded state in the same run, medians over alternating repetitions; target >= 0.9.
 
 `--small`: a tiny model on 2 ranks (the test's shape check, seconds). `--device cuda`: the same on GPUs,
-one rank per GPU over NCCL (the checkpoint writer's own group stays gloo). Every rank process ends with
+one rank per GPU (up to 4, at least 2) over NCCL; the checkpoint writer's own group stays gloo and the
+snapshot buffers are pinned host memory (training.checkpoint.snapshot), so RSS still measures what a save adds. Every rank process ends with
 the bench: it is killed at the deadline or when another rank fails, and dies with the bench's process.
 """
 
@@ -38,10 +39,10 @@ per-save working memory of DCP's planner and of the allocator (its free lists; m
 model, whose shard is a few MiB, at ~20-40 MiB)."""
 
 FULL = {"world": 4, "layers": 6, "width": 1024, "heads": 16, "vocab": 14_000, "seq_len": 32, "batch": 1,
-        "warmup_steps": 2, "stretch_steps": 10, "repeats": 3}
+        "warmup_steps": 2, "stretch_steps": 8, "repeats": 3, "io_repeats": 5}
 """~89.6M parameters: 6 blocks of 12.6M and a 14.3M tied embedding; x3 fp32 = ~1.0 GiB of state."""
 SMALL = {"world": 2, "layers": 2, "width": 64, "heads": 4, "vocab": 512, "seq_len": 16, "batch": 2,
-         "warmup_steps": 1, "stretch_steps": 4, "repeats": 1}
+         "warmup_steps": 1, "stretch_steps": 4, "repeats": 1, "io_repeats": 1}
 
 
 def bench_sharded_checkpoint(*, small: bool = False, device: str = "cpu", timeout: float = 3000.0) -> dict[str, Any]:
@@ -50,6 +51,14 @@ def bench_sharded_checkpoint(*, small: bool = False, device: str = "cpu", timeou
 
     opts: dict[str, Any] = dict(SMALL if small else FULL)
     world = int(opts.pop("world"))
+    if device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < 2:
+            raise RuntimeError(f"sharded-checkpoint --device cuda: one rank per GPU and at least 2 to shard over;"
+                               f" this machine has {gpus}")
+        world = min(world, gpus)
     cores = os.cpu_count() or 1
     opts.update(threads=max(1, cores // world), backend="nccl" if device == "cuda" else "gloo",
                 writer_priority="idle")
@@ -137,7 +146,7 @@ def _report(ranks: list[dict[str, Any]], opts: dict[str, Any], *, world: int, de
         "state_bytes": state_bytes, "state_bytes_per_rank": state_bytes // world,
         "fixed_buffer_bytes": FIXED_BUFFER, "writer_priority": opts["writer_priority"],
         "memory": memory,
-        "stretch_steps": opts["stretch_steps"], "repeats": opts["repeats"],
+        "stretch_steps": opts["stretch_steps"], "repeats": opts["repeats"], "io_repeats": opts["io_repeats"],
         "stretch_seconds": {k: [round(x, 4) for x in v] for k, v in stretch.items()},
         "lost_seconds": {"sync": [round(x, 4) for x in lost_sync], "async": [round(x, 4) for x in lost_async]},
         "async_blocked_seconds": [round(max(v), 4) for v in zip(*(r["async_blocked_seconds"] for r in ranks))],

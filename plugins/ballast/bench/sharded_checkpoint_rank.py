@@ -214,7 +214,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
                 result["async_write_done_inside_stretch"].append(done_inside[0])
 
     # (c) save and load against DCP's own, alternating which goes first.
-    for rep in range(int(opts["repeats"])):
+    for rep in range(int(opts["io_repeats"])):
         step()
         before = _checksum(model, opt)
         path = dcp_dir()
