@@ -407,3 +407,28 @@ def test_two_slurm_nodes_on_s3_push_their_own_shards_and_a_killed_rank_resumes_f
         distcp = [{f for f in p["files"] if f.endswith(".distcp")} for p in pushed]
         assert sorted(map(len, distcp)) == [1, 1] and distcp[0] | distcp[1] == {"__0_0.distcp", "__1_0.distcp"}
     assert cluster.jobs() == [] and cluster.leftovers() == []
+
+
+@pytest.mark.unit
+def test_a_node_of_several_on_object_storage_commits_into_a_node_local_directory(tmp_path):
+    from ballast.launch.config import run_config
+    from ballast.node import NodeJob, node_config
+    from ballast.spec import parse_spec
+    from helpers import example_data
+
+    d = example_data()
+    d["storage"]["uri"] = "s3://ballast-bucket/pipelines"
+    d["training"].update(nodes=2, processes_per_node=1, global_batch_size=64, parallelism="fsdp")
+    d["execution"] = {"backend": "slurm", "slurm": {"partition": "debug"}}
+    spec = parse_spec(d)  # several nodes on s3:// storage: accepted
+    cfg = run_config(spec, data_dir="/w/cache", data_format="petastorm", checkpoint_dir="/w/ckpt", output_dir="/w/out")
+    assert cfg.checkpoint.node_local is False  # the worker's own run config: one directory
+    job = NodeJob(spec=spec.model_dump(mode="json"), dag_id=spec.dag_id, run_id="r", task_id="train", try_number=1,
+                  name="t", run_config=cfg.model_dump(mode="json"), out_dir="/w/out", checkpoint_dir="/w/ckpt")
+    node = node_config(job, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", data_dir="/n/cache",
+                       data_format="petastorm", node_local=True)
+    assert node.checkpoint.node_local is True and node.checkpoint.directory == str(tmp_path / "ckpt")
+    assert node.checkpoint.model_dump(exclude={"directory", "node_local"}) \
+        == cfg.checkpoint.model_dump(exclude={"directory", "node_local"})
+    with pytest.raises(ValueError, match="needs the all-gather"):
+        ckpt.Writer(tmp_path, 10, rank=0, barrier=lambda: None, node_local=True)
