@@ -67,7 +67,7 @@ class BatchValidation:
         frame = frame.set_axis(pd.RangeIndex(offset, offset + len(frame)), axis=0)
         if self.columns is None:
             self.columns = list(frame.columns)
-        if self.row_level:
+        if self.row_level or self.meta is None:  # the first batch also gives the result's batch metadata
             validator = Validator(batch_definition=self.batch_definition, batch_parameters={"dataframe": frame},
                                   result_format=self.result_format)
             suite_result = validator.validate_expectation_suite(self.row_suite)

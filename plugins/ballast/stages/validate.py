@@ -105,18 +105,25 @@ def run(ctx: RunContext) -> ValidateResult:
 
 
 def _report(ctx: RunContext, files: list[Path], rules: list[dict], row_indices: bool):
-    """Run the rules over the raw files a bounded batch at a time."""
+    """Run the rules over the raw files a bounded batch at a time, or on Spark for the spark engine."""
     from ballast.data.validate_batches import array_columns, check_files, frames
 
     ds = ctx.spec.dataset
-    rows = sum(check_files(files, ds))
+    counts = check_files(files, ds)  # every footer read and schema checked before any data
     texts = [ds.text] if ds.text else []
-    ctx.log.info("validating %d rows from %d file(s) with %d rules in bounded batches", rows, len(files), len(rules))
+    spark = ctx.spec.conversion.engine == "spark"
+    ctx.log.info("validating %d rows from %d file(s) with %d rules %s", sum(counts), len(files), len(rules),
+                 "on Spark" if spark else "in bounded batches")
+    if spark:
+        from ballast.data.validate_spark import validate_on_spark
+
+        return validate_on_spark(files, counts, ds, rules, name=ctx.spec.name, row_indices=row_indices,
+                                 master=ctx.spec.conversion.spark_master)
     from ballast.data_checks.combine import BatchValidation
 
     checker = BatchValidation(rules, array_columns=array_columns(ds), text_columns=texts, name=ctx.spec.name,
                               row_indices=row_indices)
-    for offset, frame in frames(files, ds):
+    for offset, frame in frames(files, ds, max_rows=ctx.spec.conversion.read_batch_rows):
         checker.add(frame, offset)
     return checker.finish()
 
@@ -128,6 +135,8 @@ def _quarantine(ctx: RunContext, report, result: ValidateResult, files: list[Pat
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from ballast.data.validate_batches import rows_at
 
     v = ctx.spec.validation
     reasons: dict[int, list[str]] = {}
@@ -142,9 +151,8 @@ def _quarantine(ctx: RunContext, report, result: ValidateResult, files: list[Pat
         ctx.save_result("validate", result)
         raise DataError(f"validation.max_bad_fraction: {len(bad)} of {total} rows ({fraction:.2%}) fail"
                         f" expectations, more than the {v.max_bad_fraction:.2%} allowed; {report.summary()}")
-    from ballast.data.validate_batches import rows_at
-
-    rows = rows_at(files, ctx.spec.dataset, bad)  # read back alone, a batch at a time; the data is never held
+    # The failing rows are read back alone, a batch at a time; the data is never held.
+    rows = rows_at(files, ctx.spec.dataset, bad, max_rows=ctx.spec.conversion.read_batch_rows)
     rows = rows.append_column("_row", pa.array(bad)).append_column(
         "_failed", pa.array(["; ".join(reasons[int(i)]) for i in bad]))
     buf = io.BytesIO()

@@ -1,0 +1,333 @@
+"""Validation in bounded batches (ballast.data_checks.combine, ballast.data.validate_batches) and on Spark
+(ballast.data.validate_spark): the report one validation of the whole data gives, in memory bounded by a batch."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from ballast import data_checks
+from ballast.data.raw import array_values, check_frame, text_batch_stats
+from ballast.data.validate_batches import batch_rows_of, batches, rows_at
+from ballast.data_checks.combine import BatchValidation
+from ballast.errors import DataError
+from ballast.spec import DatasetSpec, FieldSpec
+from ballast.stages import validate
+from helpers import make_ctx, raw_table, write_spec
+
+RULES = [
+    {"kind": "row_count", "min": 10},
+    {"kind": "not_null", "column": "x", "mostly": 0.9},
+    {"kind": "between", "column": "x", "min": 0, "max": 100},
+    {"kind": "in_set", "column": "label", "values": [0, 1, 2], "mostly": 0.95},
+    {"kind": "balance", "column": "label", "min": 0.2},
+    {"kind": "unique", "column": "id"},
+    {"kind": "finite", "column": "x"},
+]
+
+
+def _frame(n: int = 200, seed: int = 3) -> pd.DataFrame:
+    """A validation frame with failures of every kind, spread so that no single batch sees them all."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0, 100, n)
+    x[[5, 77, 150]] = [-1.0, 250.0, 101.0]       # out of range, in three batches
+    x[[12, 140]] = np.nan                       # nulls (pandas: NaN), within not_null's mostly
+    label = rng.integers(0, 3, n)
+    label[[30, 190]] = 7                        # outside the set, within in_set's mostly
+    ids = np.arange(n)
+    ids[[160, 199]] = [4, 4]                    # repeats row 4's id from an earlier batch, twice
+    return pd.DataFrame({"x": x, "x__finite": np.isfinite(x), "label": label, "id": ids})
+
+
+def _batched(frame: pd.DataFrame, cuts: list[int], rules: list[dict] = RULES, row_indices: bool = True):
+    checker = BatchValidation(rules, array_columns={}, name="t", row_indices=row_indices)
+    for lo, hi in zip([0, *cuts], [*cuts, len(frame)]):
+        checker.add(frame.iloc[lo:hi].reset_index(drop=True), lo)
+    return checker.finish()
+
+
+def _same(a: data_checks.Report, b: data_checks.Report) -> None:
+    assert (a.success, a.evaluated, a.rows) == (b.success, b.evaluated, b.rows)
+    assert [f.line() for f in a.failures] == [f.line() for f in b.failures]
+    assert [f.rows for f in a.failures] == [f.rows for f in b.failures]
+    assert [f.unexpected_count for f in a.failures] == [f.unexpected_count for f in b.failures]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("row_indices", [True, False])
+def test_batches_combined_give_the_one_shot_report(row_indices):
+    frame = _frame()
+    one_shot = data_checks.run(frame, RULES, array_columns={}, name="one", row_indices=row_indices)
+    combined = _batched(frame, [40, 90, 91, 170], row_indices=row_indices)
+    _same(combined, one_shot)
+    failed = {(f.expectation, f.column) for f in combined.failures}
+    assert failed == {("expect_column_values_to_be_between", "x"), ("expect_column_values_to_be_unique", "id"),
+                      ("expect_column_values_to_be_in_set", "x__finite"),  # the two NaN rows
+                      ("expect_column_min_to_be_between", "label__share")}  # label 7: 1% of the rows
+    assert combined.docs_dir is not None and (combined.docs_dir / "index.html").exists()
+    pages = [p for p in combined.docs_dir.rglob("*.html") if "validations" in p.parts]
+    assert pages, "GX rendered the combined validation result into the Data Docs site"
+
+
+@pytest.mark.unit
+def test_mostly_is_judged_on_the_totals_not_per_batch():
+    frame = _frame()
+    rule = [{"kind": "in_set", "column": "label", "values": [0, 1, 2], "mostly": 0.95}]
+    frame.loc[[30, 190], "label"] = 0
+    frame.loc[0:9, "label"] = 9  # 10 bad rows: half of the first batch, 5% of all rows
+    alone = _batched(frame.iloc[:20], [], rule)
+    assert not alone.success, "the first batch alone fails mostly=0.95"
+    combined = _batched(frame, [20, 100], rule)
+    assert combined.success and combined.failures == []
+    frame.loc[10:12, "label"] = 9  # 13 bad rows of 200: 93.5% pass
+    (f,) = _batched(frame, [20, 100], rule).failures
+    assert f.unexpected_count == 13 and f.rows == list(range(13))
+
+
+@pytest.mark.unit
+def test_failing_rows_carry_their_global_index():
+    frame = _frame()
+    (between,) = [f for f in _batched(frame, [60, 120]).failures if f.column == "x"]
+    assert between.rows == [5, 77, 150] and between.unexpected_count == 3
+    assert between.examples == [-1.0, 250.0, 101.0]
+
+
+@pytest.mark.unit
+def test_uniqueness_holds_across_batches():
+    frame = _frame()
+    (unique,) = [f for f in _batched(frame, [50, 100, 150]).failures if f.column == "id"]
+    assert unique.rows == [4, 160, 199], "the first occurrence (batch 1) fails with its repeats (batch 4)"
+    assert unique.examples == [4, 4, 4]
+
+
+@pytest.mark.unit
+def test_balance_is_the_share_over_all_batches():
+    n = 100
+    frame = pd.DataFrame({"label": np.repeat([0, 1], n // 2)})  # each batch holds a single class
+    rule = [{"kind": "balance", "column": "label", "min": 0.4, "max": 0.6}]
+    assert _batched(frame, [50], rule).success, "each batch alone is one class; together 50/50"
+    frame.loc[:39, "label"] = 1  # 10% of class 0: the rarest share is 0.1, the commonest 0.9
+    combined = _batched(frame, [25, 50, 75], rule)
+    one_shot = data_checks.run(frame, rule, array_columns={}, name="one")
+    _same(combined, one_shot)
+    assert [f.line().split(": ", 1)[1] for f in combined.failures] == [
+        "observed 0.1, expected between 0.4 and None", "observed 0.9, expected between None and 0.6"]
+
+
+@pytest.mark.unit
+def test_array_values_keep_their_dtype_and_reduce_per_row():
+    images = np.arange(3 * 16, dtype=np.uint8).reshape(3, 16)
+    images[1, 5] = 255
+    table = pa.table({"image": pa.array(list(images), type=pa.list_(pa.uint8())), "label": [0, 1, 2]})
+    ds = DatasetSpec(location="x", fields=(FieldSpec(name="image", type="uint8", shape=(4, 4)),
+                                           FieldSpec(name="label", type="int64")), label="label", num_classes=3)
+    values, lengths = array_values(table, ds.fields[0])
+    assert values.dtype == np.uint8, "no float64 copy of the values"
+    assert lengths.tolist() == [16, 16, 16]
+    frame, arrays = check_frame(table, ds)
+    assert arrays == {"image": 16}
+    assert frame["image__min"].tolist() == [0.0, 16.0, 32.0]
+    assert frame["image__max"].tolist() == [15.0, 255.0, 47.0]
+    assert frame["image__finite"].all()
+
+
+@pytest.mark.unit
+def test_duplicate_texts_are_found_across_batches():
+    seen: set[bytes] = set()
+    lengths, dup = text_batch_stats(pa.array(["a", "bb", None, "a"]), seen)
+    assert dup.tolist() == [False, False, False, True] and np.isnan(lengths[2]) and lengths[1] == 2
+    _, dup = text_batch_stats(pa.array(["bb", "c", None]), seen)
+    assert dup.tolist() == [True, False, False]
+
+
+def _write(path: Path, n: int, first: int, row_group: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images = [np.full(16, (first + i) % 256, np.uint8) for i in range(n)]
+    pq.write_table(pa.table({"image": pa.array(images, type=pa.list_(pa.uint8())),
+                             "label": pa.array(np.arange(first, first + n) % 3)}), path, row_group_size=row_group)
+    return path
+
+
+@pytest.mark.unit
+def test_batches_are_bounded_in_rows_and_bytes_and_rows_read_back_by_number(tmp_path):
+    ds = DatasetSpec(location="x", fields=(FieldSpec(name="image", type="uint8", shape=(4, 4)),
+                                           FieldSpec(name="label", type="int64")), label="label", num_classes=3)
+    files = [_write(tmp_path / "a.parquet", 50, 0, 20), _write(tmp_path / "b.parquet", 30, 50, 7)]
+    got = [(off, t.num_rows) for off, t in batches(files, ds, max_rows=16)]
+    assert [o for o, _ in got] == [sum(n for _, n in got[:i]) for i in range(len(got))]
+    assert max(n for _, n in got) <= 16 and sum(n for _, n in got) == 80
+    by_bytes = batch_rows_of(pq.ParquetFile(files[0]), ["image", "label"], 1000, 10 * 16)
+    assert 1 <= by_bytes < 10, "a batch of about 160 bytes holds fewer than 10 rows of 16+ bytes"
+    rows = np.array([0, 17, 49, 50, 79], dtype=np.int64)
+    back = rows_at(files, ds, rows, max_rows=8)
+    assert back.column("label").to_pylist() == [r % 3 for r in rows.tolist()]
+    assert [v[0] for v in back.column("image").to_pylist()] == [r % 256 for r in rows.tolist()]
+
+
+# --- the stage in a child process, under an address-space limit it could not read the data whole in -------
+
+CHILD = r'''
+import io, json, os, resource, sys
+os.environ["GX_ANALYTICS_ENABLED"] = "False"
+import numpy as np
+import pyarrow.parquet as pq
+import yaml
+from ballast.pipeline.context import RunContext
+from ballast.spec import parse_spec
+from ballast.stages import validate
+
+def vm(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+def run(spec_file, storage):
+    d = yaml.safe_load(open(spec_file))
+    d["storage"]["uri"] = storage
+    ctx = RunContext(spec=parse_spec(d), dag_id="ballast_stream", run_id="manual__1")
+    r = validate.run(ctx)
+    q = pq.read_table(io.BytesIO(ctx.storage.read_bytes(r.quarantine.file))) if r.quarantine else None
+    return {"rows": r.rows, "failures": r.failures, "expectations": r.expectations,
+            "quarantined": q.column("_row").to_pylist() if q is not None else [],
+            "reasons": q.column("_failed").to_pylist() if q is not None else [],
+            "docs": r.data_docs}
+
+spec_small, spec_big, out, margin, big_dir = sys.argv[1:6]
+small = run(spec_small, out + "/small")          # warms every import and GX's machinery
+baseline = vm("VmPeak")
+limit = baseline + int(margin)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+big = run(spec_big, out + "/big")
+peak = vm("VmPeak")
+try:                                             # the same data read whole does not fit under the limit
+    tables = [pq.read_table(os.path.join(big_dir, f)) for f in sorted(os.listdir(big_dir))]
+    whole = "fits"
+except MemoryError:
+    whole = "MemoryError"
+except Exception as exc:
+    whole = type(exc).__name__ + ": " + str(exc)[:200]
+print(json.dumps({"small": small, "big": big, "baseline": baseline, "limit": limit, "peak": peak,
+                  "whole": whole}))
+'''
+
+
+def _spec(tmp_path: Path, name: str, raw: Path) -> Path:
+    def edit(d):
+        d["dataset"]["location"] = str(raw)
+        d["dataset"]["fields"] = [{"name": "image", "type": "uint8", "shape": [64, 64]},
+                                  {"name": "label", "type": "int64"}]
+        # balance is table-level: the one row with label 42 would be a class of its own and fail it
+        d["validation"]["rules"] = [r for r in d["validation"]["rules"] if r["kind"] not in ("row_count", "balance")]
+        for r in d["validation"]["rules"]:
+            if r["kind"] == "between" and r["column"] == "image":
+                r["max"] = 249
+        d["validation"].update(on_failure="quarantine", max_bad_fraction=0.05)
+        d["conversion"]["read_batch_rows"] = 1024
+
+    return write_spec(tmp_path / f"{name}.yaml", edit)
+
+
+def _write_sample(path: Path, n: int, repeat: int) -> None:
+    """`repeat` copies of one sample of n uint8 64x64 images (random values 0-249, which Parquet cannot
+    shrink much), rows 3 and 41 bad: a pixel of 255 and a label of 42; written a copy at a time."""
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 250, size=(n, 64 * 64), dtype=np.uint8)
+    images[3, 100] = 255
+    labels = rng.integers(0, 10, size=n)
+    labels[41] = 42
+    table = pa.table({"image": pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), 64 * 64)
+                      .cast(pa.list_(pa.uint8())), "label": pa.array(labels)})
+    path.mkdir(parents=True)
+    for k in range(repeat):
+        pq.write_table(table, path / f"part-{k:03d}.parquet", row_group_size=1024)
+
+
+@pytest.mark.integration
+def test_validation_of_data_several_times_the_memory_limit_gives_the_small_samples_results(tmp_path):
+    n, repeat, margin = 4096, 24, 96 << 20        # 24 x 16 MiB = 384 MiB of pixels, 4x the margin
+    _write_sample(tmp_path / "small", n, 1)
+    _write_sample(tmp_path / "big", n, repeat)
+    data = sum(p.stat().st_size for p in (tmp_path / "big").iterdir())
+    assert data > 3.5 * margin and n * repeat * 64 * 64 > 3.5 * margin, "on disk and decoded"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "ARROW_DEFAULT_MEMORY_POOL": "system",
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BALLAST_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, str(script), str(_spec(tmp_path, "small", tmp_path / "small")),
+                           str(_spec(tmp_path, "big", tmp_path / "big")), str(tmp_path / "out"), str(margin),
+                           str(tmp_path / "big")], check=False, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    small, big = out["small"], out["big"]
+    print(f"data {data >> 20} MiB; VmPeak after imports and the small run {out['baseline'] >> 20} MiB, limit"
+          f" {out['limit'] >> 20} MiB, VmPeak after the large run {out['peak'] >> 20} MiB")
+    assert out["whole"] == "MemoryError", f"reading the data whole must not fit under the limit: {out['whole']}"
+    assert out["peak"] <= out["limit"]
+    assert small["rows"] == n and big["rows"] == n * repeat
+    assert small["quarantined"] == [3, 41]
+    assert big["quarantined"] == [k * n + i for k in range(repeat) for i in (3, 41)]
+    assert big["reasons"] == small["reasons"] * repeat
+    assert big["expectations"] == small["expectations"]
+    # Failure lines name the same expectations and examples; the counts scale with the copies.
+    scaled = [line.replace(", 1 rows", f", {repeat} rows") for line in small["failures"]]
+    assert len(small["failures"]) == 3 and big["failures"] == [
+        line.replace(", e.g. [255.0]", ", e.g. [255.0, 255.0, 255.0, 255.0, 255.0]")
+            .replace(", e.g. [42]", ", e.g. [42, 42, 42, 42, 42]") for line in scaled]
+    assert big["docs"] and small["docs"]
+
+
+# --- on Spark ------------------------------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_spark_validation_gives_the_report_of_the_batches(tmp_path):
+    t = raw_table(1200)
+    rows = [list(r) for r in t["images"]]
+    labels = t["labels"]
+    rows[3][10] = rows[5][0] = float("nan")
+    rows[9][0] = 99.0
+    rows[4] = rows[4][:60]
+    labels[1] = 42
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for k, (lo, hi) in enumerate([(0, 500), (500, 1200)]):  # two files: row numbers continue across them
+        pq.write_table(pa.table({"image": pa.array(rows[lo:hi], type=pa.list_(pa.float32())),
+                                 "label": pa.array(labels[lo:hi])}), raw / f"part-{k}.parquet", row_group_size=200)
+
+    def settings(engine, on_failure):
+        def edit(d):
+            if on_failure == "fail":  # every label repeats: all rows fail, too many to quarantine
+                d["validation"]["rules"].append({"kind": "unique", "column": "label", "mostly": 0.5})
+            d["validation"]["rules"] = [r for r in d["validation"]["rules"] if r["kind"] != "balance"]
+            d["validation"].update(on_failure=on_failure, max_bad_fraction=0.01)
+            d["conversion"].update(engine=engine, spark_master="local[2]", read_batch_rows=300)
+        return edit
+
+    reports = {}
+    for engine in ("arrow", "spark"):
+        ctx = make_ctx(tmp_path / engine, raw, settings(engine, "fail"))
+        with pytest.raises(DataError) as err:
+            validate.run(ctx)
+        reports[engine] = str(err.value)
+    assert reports["spark"] == reports["arrow"]
+    assert "expectations failed on 1200 rows" in reports["spark"]
+    # the failing rows of every label but the one 42 (unique), in row order: Spark's partition order is sorted
+    assert ("expect_column_values_to_be_unique on label: expected at least 50% of rows passing, 1199 rows, e.g."
+            f" {labels[[0, 2, 3, 4, 5]].tolist()}") in reports["spark"]
+    out = {}
+    for engine in ("arrow", "spark"):
+        ctx = make_ctx(tmp_path / f"q-{engine}", raw, settings(engine, "quarantine"))
+        r = validate.run(ctx)
+        q = pq.read_table(io.BytesIO(ctx.storage.read_bytes(r.quarantine.file)))
+        out[engine] = (r.failures, q.column("_row").to_pylist(), q.column("_failed").to_pylist(), r.data_docs)
+    assert out["spark"][:3] == out["arrow"][:3]
+    assert out["spark"][1] == [1, 3, 4, 5, 9]
+    assert out["spark"][3] and out["spark"][3].endswith("index.html")
