@@ -268,13 +268,20 @@ def test_a_damaged_shard_or_index_is_a_clear_error_naming_the_file(tmp_path):
 
 
 @pytest.mark.unit
-def test_a_damaged_rank_file_stops_the_export_naming_it(tmp_path):
+def test_a_damaged_rank_file_stops_the_export_the_contents_check_and_the_model_read_naming_it(tmp_path):
+    from ballast.training.checkpoint import dcp
+
     src = _dcp_checkpoint(tmp_path / "ckpt", _model().state_dict())
     rank = src / "__0_0.distcp"
     rank.write_bytes(rank.read_bytes()[:1000])
     with pytest.raises(CheckpointFailure, match=r"cannot read the shards __0_0\.distcp through DCP"):
         export.export(src, tmp_path / "pub", max_shard_bytes=20_000)
     assert not list((tmp_path / "pub").glob("*.safetensors"))
+    # DCP's CheckpointException derives from BaseException: the gate's check and the stages' read name it too.
+    with pytest.raises(CheckpointFailure, match=r"cannot read the shards .*__0_0\.distcp through DCP"):
+        dcp.check(src)
+    with pytest.raises(CheckpointFailure, match=r"ckpt: cannot read the model's shards through DCP"):
+        dcp.model_weights(src)
 
 
 # --- the registry: publishing and fetching both layouts -------------------------------------------------------

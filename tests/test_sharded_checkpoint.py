@@ -49,7 +49,7 @@ def _saved(path: Path) -> tuple[dict, dict]:
 
     meta = dcp.metadata(path)
     full = {k: torch.empty(tuple(e.size), dtype=e.properties.dtype) for k, e in meta.state_dict_metadata.items()}
-    dcp_api.load(full, storage_reader=dcp._reader(path), no_dist=True)
+    dcp_api.load(full, storage_reader=dcp.reader(path), no_dist=True)
     model = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
     optim = {k[len("optim."):]: v for k, v in full.items() if k.startswith("optim.")}
     return model, optim

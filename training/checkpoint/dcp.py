@@ -78,7 +78,7 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
-def _reader(path: Path) -> Any:
+def reader(path: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
@@ -101,7 +101,7 @@ def _reader(path: Path) -> Any:
 
 
 def metadata(path: Path) -> Any:
-    return _reader(path).read_metadata()
+    return reader(path).read_metadata()
 
 
 def read_into(model: Any, optimizer: Any, path: Path, *, groups: list[dict[str, Any]], group: Any) -> None:
@@ -111,7 +111,7 @@ def read_into(model: Any, optimizer: Any, path: Path, *, groups: list[dict[str, 
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state, _ = sharded_state(model, optimizer)
-    dcp.load(state, storage_reader=_reader(path), process_group=group)
+    dcp.load(state, storage_reader=reader(path), process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state[MODEL],
                    optim_state_dict={"state": state[OPTIM], "param_groups": groups})
 
@@ -127,7 +127,7 @@ def average_into(model: Any, paths: list[Path], *, group: Any) -> None:
     sums: dict[str, Any] = {}
     buf = {k: torch.empty_like(v) for k, v in current.items()}
     for path in paths:
-        dcp.load({MODEL: buf}, storage_reader=_reader(path), process_group=group)
+        dcp.load({MODEL: buf}, storage_reader=reader(path), process_group=group)
         for k, v in buf.items():
             local = _local(v)
             if torch.is_floating_point(local):
@@ -137,7 +137,7 @@ def average_into(model: Any, paths: list[Path], *, group: Any) -> None:
     set_model_state_dict(model, buf)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return (lines[-1] if lines else type(exc).__name__)[:300]
 
@@ -174,6 +174,7 @@ def check(path: Path) -> None:
     DCP's reader, a bounded batch of tensors at a time (in one process, without a process group)."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     path = Path(path)
@@ -189,13 +190,14 @@ def check(path: Path) -> None:
         piece_file[(index.fqn, tuple(index.offset))] = info.relative_path
     for batch in _tensor_batches(meta):
         try:
-            dcp.load(batch, storage_reader=_reader(path), no_dist=True)
+            dcp.load(batch, storage_reader=reader(path), no_dist=True)
         except CheckpointFailure:
             raise
-        except Exception as exc:  # DCP's CheckpointException wraps what the reader raised (a damaged record)
+        except (Exception, CheckpointException) as exc:  # DCP's wraps what its reader raised (a damaged
+            # record); it derives from BaseException, not Exception
             names = ", ".join(sorted({f for fqn in batch for f in files.get(fqn, ())}))
             raise CheckpointFailure(f"{path}: cannot read the shards {names} through DCP"
-                                    f" ({_first_line(exc)})") from exc
+                                    f" ({first_line(exc)})") from exc
         for fqn, t in batch.items():
             if not torch.isfinite(t).all():
                 bad = sorted({piece_file.get((fqn, tuple(c.offsets)), "?")
@@ -213,11 +215,17 @@ def model_weights(path: Path) -> dict[str, Any]:
     if (Path(path) / "model.pt").is_file() or not (Path(path) / DCP_METADATA).is_file():
         return load_tensors(Path(path) / "model.pt")
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = metadata(path)
     out = {fqn[len(MODEL) + 1:]: torch.empty(tuple(e.size), dtype=e.properties.dtype)
            for fqn, e in meta.state_dict_metadata.items()
            if fqn.startswith(MODEL + ".") and isinstance(e, TensorStorageMetadata)}
-    dcp.load({MODEL: out}, storage_reader=_reader(path), no_dist=True)
+    try:
+        dcp.load({MODEL: out}, storage_reader=reader(path), no_dist=True)
+    except CheckpointFailure:
+        raise
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointFailure(f"{path}: cannot read the model's shards through DCP ({first_line(exc)})") from exc
     return out

@@ -74,14 +74,14 @@ def _dcp_source(path: Path) -> _Source:
     def read(names: list[str]) -> dict[str, Any]:
         out = {n: torch.empty(tuple(entries[n].size), dtype=entries[n].properties.dtype) for n in names}
         try:
-            dcp_api.load({dcp.MODEL: out}, storage_reader=dcp._reader(path), no_dist=True)
+            dcp_api.load({dcp.MODEL: out}, storage_reader=dcp.reader(path), no_dist=True)
         except CheckpointFailure:
             raise
         except (Exception, CheckpointException) as exc:  # DCP's wraps what its reader raised (a damaged record);
             # it derives from BaseException, not Exception
             held = ", ".join(sorted({f for n in names for f in files.get(prefix + n, ())}))
             raise CheckpointFailure(f"{path}: cannot read the shards {held} through DCP"
-                                    f" ({dcp._first_line(exc)})") from exc
+                                    f" ({dcp.first_line(exc)})") from exc
         return out
 
     return _Source({n: e.properties.dtype.itemsize * _numel(e.size) for n, e in entries.items()}, read)
