@@ -106,6 +106,7 @@ def run(ctx: RunContext) -> ValidateResult:
 
 def _report(ctx: RunContext, files: list[Path], rules: list[dict], row_indices: bool):
     """Run the rules over the raw files a bounded batch at a time, or on Spark for the spark engine."""
+    from ballast.data.progress import Progress
     from ballast.data.validate_batches import array_columns, check_files, frames
 
     ds = ctx.spec.dataset
@@ -123,8 +124,10 @@ def _report(ctx: RunContext, files: list[Path], rules: list[dict], row_indices: 
 
     checker = BatchValidation(rules, array_columns=array_columns(ds), text_columns=texts, name=ctx.spec.name,
                               row_indices=row_indices)
+    progress = Progress(ctx.log, "validate", sum(counts))  # in the task log, every few seconds
     for offset, frame in frames(files, ds, max_rows=ctx.spec.conversion.read_batch_rows):
         checker.add(frame, offset)
+        progress.add(len(frame))
     return checker.finish()
 
 
