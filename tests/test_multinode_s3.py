@@ -391,6 +391,12 @@ def test_two_slurm_nodes_on_s3_push_their_own_shards_and_a_killed_rank_resumes_f
     assert pulled == [f"step-{max(up):08d}"] * 2, t2[-3000:]  # on each node, the newest committed
     assert tries[1].resumed_step == max(up), tries[1]
     assert re.search(rf"resumed from \S*step-{max(up):08d} \(epoch \d+, step {max(up)}\)", t2), t2[-3000:]
+    # Rank 0 of try 2 went on with the run's curve history (node 0 pulled it): the view's curves start at
+    # try 1's first steps, not at the resume.
+    from ballast.training.curves import parse_history
+
+    buckets = parse_history(ctx.storage.read_bytes(f"{ctx.run_key}/train/curves.json")).buckets()
+    assert buckets and buckets[0]["first"] < max(up) < buckets[-1]["last"], buckets[:2]
     prefix = f"{ctx.run_key}/checkpoints/"
     from ballast.storage import checkpoints as sync
 

@@ -302,6 +302,41 @@ def test_the_history_is_copied_to_remote_storage_with_the_event_log(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_cluster_trys_node_0_goes_on_with_the_runs_history(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from ballast.node import pull_history
+    from ballast.storage import FileStorage
+    from ballast.training.curves import CURVES, CurveHistory, read_history, write_history
+
+    storage = FileStorage(tmp_path / "store")
+    ctx = SimpleNamespace(storage=storage, run_key="runs/d/r")
+    fresh = tmp_path / "try-2-node0" / "train"
+    fresh.mkdir(parents=True)
+    pull_history(ctx, fresh)  # a run's first try: nothing in storage yet, nothing pulled
+    assert not (fresh / CURVES).exists()
+    h = CurveHistory()
+    for step in range(1, 41):
+        h.add_step(step, float(step), {"loss": 1.0 / step})
+    write_history(tmp_path, h)
+    storage.upload(tmp_path / CURVES, f"runs/d/r/train/{CURVES}")
+    pull_history(ctx, fresh)
+    got = read_history(fresh)
+    assert got is not None and got.buckets() == h.buckets()
+
+    class Broken:  # storage failing: a warning, and training goes on without the history
+        def exists(self, key):
+            raise OSError("connection reset")
+
+        def describe(self, key):
+            return f"s3://b/{key}"
+
+    with caplog.at_level("WARNING", logger="ballast.node"):
+        pull_history(SimpleNamespace(storage=Broken(), run_key="runs/d/r"), tmp_path / "other")
+    assert "could not pull the curve history s3://b/runs/d/r/train/curves.json" in caplog.text
+
+
+@pytest.mark.unit
 def test_bench_view_reports_first_paint_bytes_read_and_the_marks(tmp_path):
     from ballast.bench.view import EARLY_ANOMALY, bench_view
 

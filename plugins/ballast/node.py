@@ -142,6 +142,8 @@ def run(job: NodeJob, rank: int) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir)
         log.info("checkpoints from storage: %s (what this node resumes from, no more)", ", ".join(pulled) or "none")
+        if rank == 0:
+            pull_history(ctx, out_dir)
     config_path = out_dir / f"run-node{rank}.json"
     node_config(job, out_dir=out_dir, checkpoint_dir=ckpt_dir, data_dir=cache.cache_dir, data_format=cache.format,
                 node_local=not shared and spec.training.nodes > 1).dump(config_path)
@@ -179,6 +181,20 @@ def node_config(job: NodeJob, *, out_dir: Path, checkpoint_dir: Path, data_dir: 
 def outputs_prefix(run_key: str, try_number: int) -> str:
     """Where a try's nodes leave the trainer's failure record(s), summary and events (one try's own)."""
     return f"{run_key}/train/try-{try_number}/out/"
+
+
+def pull_history(ctx, out_dir: Path) -> None:
+    """The run's curve history so far (`training.curves`, bounded whatever the run's length), so that this
+    try's rank 0 goes on with it rather than start the view's whole-run curves again. Not the event log:
+    it grows with the run, and the view reads each try's own."""
+    from ballast.training.curves import CURVES
+
+    key = f"{ctx.run_key}/train/{CURVES}"
+    try:
+        if ctx.storage.exists(key):
+            ctx.storage.download(key, out_dir / CURVES)
+    except Exception as exc:  # the history is for the view: training goes on without it
+        log.warning("could not pull the curve history %s: %s", ctx.storage.describe(key), exc)
 
 
 def push_outputs(ctx, out_dir: Path) -> None:
