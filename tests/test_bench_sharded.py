@@ -128,6 +128,8 @@ def test_pruning_after_a_save_does_not_hash_the_checkpoint_it_just_committed(tmp
     manifest = newest / ckpt.MANIFEST
     manifest.write_text(manifest.read_text() + " ")
     saver.save(4, {"model.pt": {"w": torch.ones(4)}}, {ckpt.TRAINER_STATE: {"step": 4}}, keep=set(), asynchronous=False)
+    assert ckpt.is_committed(root / "step-00000004")  # a synchronous save returns committed...
+    saver.wait()  # ...and its pruning goes on in the background until the next save or a wait
     assert newest / "model.pt" in hashed
     # the damaged one is not counted towards keep_last: the good step 2 stays beside the new one
     assert [p.name for p in ckpt.committed(root)] == ["step-00000002", "step-00000003", "step-00000004"]

@@ -102,6 +102,42 @@ def test_a_model_without_blocks_is_wrapped_whole_with_a_warning(group):
     assert model(torch.ones(3, 4)).shape == (3, 2)
 
 
+def test_a_model_naming_no_block_is_wrapped_whole_with_a_warning(group):
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    class NoBlocks(torch.nn.Sequential):
+        def ballast_blocks(self):
+            return []
+
+    model = NoBlocks(torch.nn.Linear(4, 2))
+    logs: list[str] = []
+    fsdp.shard(model, precision="fp32", activation_checkpointing=False, log=logs.append)
+    assert [name for name, m in model.named_modules() if isinstance(m, FSDPModule)] == [""]
+    assert logs == ["warning: model NoBlocks names no block (ballast_blocks() is empty): FSDP wraps it whole (every"
+                    " parameter gathered at once in forward and backward)"]
+
+
+def test_a_snapshot_of_a_shard_is_a_host_dtensor_over_the_snapshot_buffer(group):
+    """The snapshot's DTensor wraps the host buffer itself under the shard's spec: DTensor.from_local
+    would move it to the mesh's device (a second device copy of each shard per save on GPUs)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from ballast.training.checkpoint.snapshot import Snapshot
+
+    model = _model("gpt", {"layers": 1, "width": 16, "heads": 2}, LM)
+    fsdp.shard(model, precision="fp32", activation_checkpointing=False, log=lambda _: None)
+    snap = Snapshot(pin=False)
+    state = {k: v for k, v in model.state_dict().items()}
+    copied = snap.copy(state, ("dcp",))
+    for name, live in state.items():
+        got = copied[name]
+        assert isinstance(got, DTensor) and got._spec == live._spec and got.device.type == "cpu"
+        assert got.to_local().data_ptr() == snap.buffers[("dcp", name)].data_ptr() != live.to_local().data_ptr()
+        assert torch.equal(got.to_local(), live.to_local()) and got.shape == live.shape
+
+
 def test_activation_checkpointing_recomputes_blocks_and_keeps_gradients_and_names():
     import torch
 
@@ -179,3 +215,24 @@ def test_the_gate_refuses_a_dcp_checkpoint_holding_pickled_values(tmp_path):
                  no_dist=True)
     with pytest.raises(CheckpointFailure, match=r"inf/__0_0\.distcp: non-finite values in model\.w"):
         dcp.check(tmp_path / "inf")
+
+
+def test_dcp_shards_are_hashed_as_they_are_written(tmp_path, group):
+    """The digests dcp.write returns (hashed beside the write, large pieces from the tensors' own memory)
+    are the sha256 and size of the files on disk, for small, large, strided and integer tensors."""
+    import torch
+
+    from ballast.training.checkpoint import dcp
+    from ballast.training.checkpoint.commit import DCP_METADATA, sha256_file
+
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(700, 1500, generator=gen)  # ~4 MB: written from its own memory
+    state = {"model": {"scalar": torch.tensor(3.0), "small": torch.arange(10.0), "big": big,
+                       "strided": big[::3, ::2], "ids": torch.randint(0, 1 << 40, (300_000,), generator=gen)},
+             "optim": {"step": torch.tensor(7), "m": torch.randn(257, 1031, generator=gen)}}
+    written = dcp.write(state, tmp_path, rank=0, group=None)
+    shards = [n for n in written if n != DCP_METADATA]
+    assert shards and written[DCP_METADATA] is None
+    for name in shards:
+        f = tmp_path / name
+        assert written[name] == (sha256_file(f), f.stat().st_size), name

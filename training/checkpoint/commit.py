@@ -97,11 +97,13 @@ def is_committed(path: Path) -> bool:
     return bool(_STEP_DIR.match(path.name)) and (path / COMMIT_MARKER).is_file() and (path / MANIFEST).is_file()
 
 
-def verify(path: Path, *, held_only: bool = False) -> dict[str, Any]:
+def verify(path: Path, *, held_only: bool = False, share: tuple[int, int] | None = None) -> dict[str, Any]:
     """Full check: committed, and every file matches the manifest's size and sha256. Returns the manifest.
 
     `held_only`: a node-local directory (with `local-files.json`) passes when the files this node holds
-    match the manifest; the others are on other nodes' disks (and in storage)."""
+    match the manifest; the others are on other nodes' disks (and in storage). `share` (part, parts):
+    hash only this part's files (every `parts`-th of the manifest's sorted names, from `part`), the
+    others' sizes still checked: ranks that split a check and agree on the outcome read each file once."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointFailure(f"{path}: no such checkpoint directory")
@@ -116,6 +118,7 @@ def verify(path: Path, *, held_only: bool = False) -> dict[str, Any]:
     if held is not None and not held_only:
         raise CheckpointFailure(f"{path}: holds only this node's files of the checkpoint ({LOCAL_FILES}); the"
                                 f" whole checkpoint is in storage once every node pushed its share")
+    mine = set(sorted(files)[share[0]::share[1]]) if share else set(files)
     for name, meta in files.items():
         f = path / name
         if "/" in name or (name.startswith(".") and name != DCP_METADATA):
@@ -127,7 +130,7 @@ def verify(path: Path, *, held_only: bool = False) -> dict[str, Any]:
         if f.stat().st_size != meta["size"]:
             raise CheckpointFailure(f"{f}: size {f.stat().st_size} does not match the manifest ({meta['size']});"
                                     " truncated?")
-        if sha256_file(f) != meta["sha256"]:
+        if name in mine and sha256_file(f) != meta["sha256"]:
             raise CheckpointFailure(f"{f}: sha256 does not match the manifest; the file was changed or corrupted")
     if held is not None and not held <= set(files):
         raise CheckpointFailure(f"{path / LOCAL_FILES}: names files the manifest does not list"
@@ -235,11 +238,13 @@ class Writer:
         with self._open(name) as out:
             out.write(json.dumps(obj, indent=2, sort_keys=True).encode())
 
-    def adopt(self, name: str) -> None:
-        """Take a file written into the checkpoint by another writer (DCP's shards) into the manifest:
-        hashed here, by the rank that wrote it, so that no rank reads another's shards to commit."""
+    def adopt(self, name: str, digest: tuple[str, int] | None = None) -> None:
+        """Take a file written into the checkpoint by another writer (DCP's shards) into the manifest,
+        with the (sha256, size) it was hashed to as it was written, or hashed here: by the rank that
+        wrote it, so that no rank reads another's shards to commit."""
         f = self.tmp / name
-        (self.tmp / f".{name}.sha256").write_text(f"{sha256_file(f)} {f.stat().st_size}\n")
+        sha, size = digest or (sha256_file(f), f.stat().st_size)
+        (self.tmp / f".{name}.sha256").write_text(f"{sha} {size}\n")
         self.written.append(name)
 
     @contextlib.contextmanager

@@ -28,6 +28,7 @@ from ballast.training.failure import CheckpointFailure
 MODEL, OPTIM = "model", "optim"
 GROUPS_FILE = "optim_groups.json"
 """The optimizer's parameter groups (hyper-parameters and the names of their parameters), as JSON."""
+_HASH_BY_VIEW = 1 << 20  # a written piece this large is hashed from the memory it was written from
 _CHECK_BYTES = 64 << 20  # the gate reads tensors in batches of about this size (one larger tensor alone)
 _SAFE_MODULES = ("torch.distributed.checkpoint.",)
 _SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
@@ -58,16 +59,90 @@ def groups_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: plain(v) for k, v in g.items()} for g in groups]
 
 
-def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any) -> list[str]:
-    """DCP save of `state` into `directory` (collective over `group`); the names of the files this rank
-    wrote (its shards; rank 0 also the metadata), for the commit protocol to hash and list."""
+def write(state: dict[str, Any], directory: Path, *, rank: int,
+          group: Any) -> dict[str, tuple[str, int] | None]:
+    """DCP save of `state` into `directory` (collective over `group`): the files this rank wrote (its
+    shards; rank 0 also the metadata), each with its sha256 and size where they were hashed as DCP wrote
+    them (the shards: the commit protocol need not read them back), for the manifest."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
+    digests: dict[str, tuple[str, int]] = {}
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
+    writer.fs = _hashing_file_system(digests)
     dcp.save(state, storage_writer=writer, process_group=group)
     names = sorted(p.name for p in Path(directory).glob(f"__{rank}_*.distcp"))
-    return names + [DCP_METADATA] if rank == 0 else names
+    return {**{n: digests.get(n) for n in names}, **({DCP_METADATA: None} if rank == 0 else {})}
+
+
+def _hashing_file_system(digests: dict[str, tuple[str, int]]) -> Any:
+    """DCP's local file system whose files opened for writing are hashed as the bytes pass (DCP writes a
+    shard file front to back: tell() is the bytes written); `digests`: file name -> (sha256, size)."""
+    import contextlib
+    import hashlib
+    import queue
+    import threading
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Hashing(io.RawIOBase):
+        """Hashes in a thread of its own, beside the writing one (hashlib releases the GIL): a large
+        piece is a view of the tensor's own memory, which does not change until the save returns (the
+        snapshot, or the live state a synchronous save waits on); a small one (zip headers, from the
+        serializer's reused buffers) is copied."""
+
+        def __init__(self, f: Any) -> None:
+            self.f, self.digest, self.size = f, hashlib.sha256(), 0
+            self.pieces: queue.SimpleQueue = queue.SimpleQueue()
+            self.hasher = threading.Thread(target=self._hash, name="dcp-sha256", daemon=True)
+            self.hasher.start()
+
+        def _hash(self) -> None:
+            while (piece := self.pieces.get()) is not None:
+                self.digest.update(piece)
+
+        def hexdigest(self) -> str:
+            self.pieces.put(None)
+            self.hasher.join()
+            return self.digest.hexdigest()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            view = memoryview(b).cast("B")
+            self.pieces.put(view if view.nbytes >= _HASH_BY_VIEW else bytes(view))
+            self.f.write(view)  # a buffered file: all of it
+            self.size += view.nbytes
+            return view.nbytes
+
+        def tell(self) -> int:
+            return self.size
+
+        def flush(self) -> None:
+            self.f.flush()
+
+        def fileno(self) -> int:  # DCP fsyncs the file by its descriptor: what is buffered goes first
+            self.f.flush()
+            return self.f.fileno()
+
+    class HashingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with Path(path).open(mode) as f:
+                stream = Hashing(f)
+                try:
+                    yield stream
+                finally:
+                    digest = stream.hexdigest()  # the hasher ends whatever happened
+                f.flush()
+                digests[Path(path).name] = (digest, stream.size)
+
+    return HashingFileSystem()
 
 
 class _Unpickler(pickle.Unpickler):
@@ -168,7 +243,7 @@ def _tensor_batches(meta: Any) -> Iterator[dict[str, Any]]:
         yield batch
 
 
-def check(path: Path) -> None:
+def check(path: Path, *, share: tuple[int, int] | None = None) -> None:
     """The gate's contents check of a sharded checkpoint: tensors only (no pickled value), and every
     floating-point tensor finite; a failure names the shard files that hold the tensor. Reads through
     DCP's reader, a bounded batch of tensors at a time (in one process, without a process group)."""
@@ -188,7 +263,9 @@ def check(path: Path) -> None:
     for index, info in meta.storage_data.items():
         files.setdefault(index.fqn, set()).add(info.relative_path)
         piece_file[(index.fqn, tuple(index.offset))] = info.relative_path
-    for batch in _tensor_batches(meta):
+    for i, batch in enumerate(_tensor_batches(meta)):
+        if share and i % share[1] != share[0]:
+            continue  # another rank's share of the batches
         try:
             dcp.load(batch, storage_reader=reader(path), no_dist=True)
         except CheckpointFailure:
@@ -227,5 +304,6 @@ def model_weights(path: Path) -> dict[str, Any]:
     except CheckpointFailure:
         raise
     except (Exception, CheckpointException) as exc:
-        raise CheckpointFailure(f"{path}: cannot read the model's shards through DCP ({first_line(exc)})") from exc
+        raise CheckpointFailure(f"{path}: cannot read the model's shards through DCP"
+                                f" ({first_line(exc)})") from exc
     return out

@@ -62,7 +62,9 @@ class CheckpointManager:
         them, for a checkpoint of the state before that step)."""
         t0 = time.monotonic()
         self.saver.wait()  # the snapshot buffers are reused: the previous write must be done
-        tensors, parts, sharded = self._snapshot(rng)
+        use_async = self.cfg.asynchronous if asynchronous is None else asynchronous
+        # A synchronous save writes the live shards (training waits for it): no copy into the snapshot.
+        tensors, parts, sharded = self._snapshot(rng, copy_shards=use_async)
         jsons: dict[str, Any] = {}
         if self.dist.rank == 0:
             if sharded is not None:
@@ -75,10 +77,9 @@ class CheckpointManager:
                 "parallelism": self.parallelism, "reason": reason, "optim_parts": parts,
                 "state_format": "dcp" if sharded is not None else "pt"})
         keep = {self.state.best["step"]} if self.state.best else set()
-        use_async = self.cfg.asynchronous if asynchronous is None else asynchronous
         shards = None
         if sharded is not None:
-            def shards(directory: Path, state: dict = sharded[0]) -> list[str]:
+            def shards(directory: Path, state: dict = sharded[0]) -> dict[str, Any]:
                 return dcp.write(state, directory, rank=self.dist.rank, group=self.dist.ckpt_group)
         self.saver.save(self.state.step, tensors, jsons, keep=keep, asynchronous=use_async, shards=shards)
         blocked = time.monotonic() - t0
@@ -105,10 +106,11 @@ class CheckpointManager:
             rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
         return rng
 
-    def _snapshot(self, rng: dict | None = None) -> tuple[dict[str, Any], int, tuple | None]:
+    def _snapshot(self, rng: dict | None = None, *,
+                  copy_shards: bool = True) -> tuple[dict[str, Any], int, tuple | None]:
         """This rank's checkpoint tensors, copied into the reused snapshot buffers; the number of
         optimizer parts; under FSDP (sharded, nothing gathered) the snapshot of this rank's shards of the
-        model and optimizer state, with the parameter groups."""
+        model and optimizer state (`copy_shards` false: the live shards), with the parameter groups."""
         import torch
 
         rank = self.dist.rank
@@ -119,7 +121,7 @@ class CheckpointManager:
                                     if isinstance(v, (int, float))}
         if self.sharded:
             state, groups = dcp.sharded_state(self.model, self.optimizer)
-            return tensors, 0, (self.snapshot.copy(state, ("dcp",)), groups)
+            return tensors, 0, (self.snapshot.copy(state, ("dcp",)) if copy_shards else state, groups)
         model_sd, optim_sd = self.model.state_dict(), self.optimizer.state_dict()
         # Every rank holds the same optimizer state: each snapshots and writes its share.
         parts = self.dist.world
@@ -138,7 +140,31 @@ class CheckpointManager:
         newer ones that fail are skipped here and quarantined by the orchestrator."""
         from ballast.training.checkpoint.gate import latest_passing
 
-        return latest_passing(self.root, quarantine_failures=False, log=self.log)
+        return latest_passing(self.root, quarantine_failures=False, log=self.log, **self._split_gate())
+
+    def _split_gate(self) -> dict[str, Any]:
+        """With several ranks, they split the gate (each its share of the files' hashes and of the
+        tensors) and agree on its outcome; collective over the checkpoint group."""
+        if not self.dist.enabled:
+            return {}
+        return {"share": (self.dist.rank, self.dist.world),
+                "agree": lambda value: gather_json(value, self.dist.ckpt_group)}
+
+    def _passes(self, path: Path) -> bool:
+        """Whether `path` passes the gate (split between the ranks, which all get the same answer)."""
+        from ballast.training.checkpoint.gate import check
+
+        split = self._split_gate()
+        try:
+            check(path, share=split.get("share"))
+            failure = None
+        except CheckpointFailure as exc:
+            failure = str(exc)
+        if split:
+            failure = next((f for f in split["agree"](failure) if f), None)
+        if failure:
+            self.log(f"not averaged: {failure}")
+        return failure is None
 
     def start(self) -> bool:
         """What a process starts from: the newest checkpoint that passes the gate (True), unless
@@ -198,10 +224,17 @@ class CheckpointManager:
     def _load_weights(self, path: Path, saved: dict[str, Any]) -> None:
         """The model and optimizer state of `path` (the model's as the mean of the last checkpoints where
         resume_average_last asks): sharded through DCP, or the full files."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         average_last = self.cfg.resume_average_last
-        recent = committed(self.root)[-average_last:] if average_last > 1 else []
-        if recent:
+        recent: list[Path] = []
+        if average_last > 1:  # the last ones up to the one resumed from (newer ones failed the gate), that pass it
+            upto = [p for p in committed(self.root) if p.name <= path.name]
+            recent = [p for p in upto[-average_last:] if p == path or self._passes(p)]
+        if len(recent) > 1:
             self.log(f"resuming from the average of {len(recent)} checkpoints: {', '.join(p.name for p in recent)}")
+        else:
+            recent = []
         try:
             if saved.get("state_format") == "dcp":
                 self._load_sharded(path, recent)
@@ -212,6 +245,8 @@ class CheckpointManager:
                 raise CheckpointFailure(f"{path / TRAINER_STATE}: optim_parts is {parts!r}, expected the number"
                                         f" of optimizer state files (optim-part<R>.pt); refusing to resume")
             self._load_full_state(model_sd, load_optimizer(path, parts))
+        except CheckpointException as exc:  # DCP's (a BaseException): a shard it could not read
+            raise CheckpointFailure(f"{path}: cannot read the shards through DCP ({dcp.first_line(exc)})") from exc
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointFailure(f"{path}: does not fit this model ({str(exc).splitlines()[0]})") from exc
 

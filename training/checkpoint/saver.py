@@ -53,20 +53,38 @@ class AsyncSaver:
         self._verified: dict[Path, tuple] = {}  # what prune has verified (commit.prune's memo)
 
     def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
-             asynchronous: bool = True, shards: Callable[[Path], list[str]] | None = None) -> None:
+             asynchronous: bool = True, shards: Callable[[Path], dict[str, Any]] | None = None) -> None:
         """`shards`: writes this rank's part of a sharded state into the given directory, collectively
-        (checkpoint.dcp.write), and returns the names of the files it wrote."""
+        (checkpoint.dcp.write), and returns the files it wrote, each with its (sha256, size) or None."""
         self.wait()
         args = (step, tensors, jsons, keep, shards)
         if not asynchronous:
-            self._write(*args)
-            self.wait()
+            # Written and committed here; the pruning of older ones goes on in the background (the next
+            # save, or the end of training, waits for it).
+            leader = self._write(*args, prune_after=False)
+            self.wait()  # raises what the write raised
+            if leader:
+                self._start(self._prune, (keep,), f"ckpt-{step}-prune")
             return
-        self._thread = threading.Thread(target=self._write, args=args, name=f"ckpt-{step}", daemon=True)
+        self._start(self._write, args, f"ckpt-{step}")
+
+    def _start(self, target: Callable[..., Any], args: tuple, name: str) -> None:
+        self._thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         self._thread.start()
 
+    def _prune(self, keep: set[int]) -> None:
+        """Remove the checkpoints past keep_last (not the newest, nor `keep`), on the node's leader."""
+        if self.idle:
+            _set_policy(0, "SCHED_IDLE")
+        try:
+            prune(self.root, keep_last=self.keep_last, keep=keep, log=self.log, memo=self._verified)
+        except BaseException as exc:  # surfaced to the training thread by wait()
+            self._error = exc
+
     def _write(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], keep: set[int],
-               shards: Callable[[Path], list[str]] | None) -> None:
+               shards: Callable[[Path], dict[str, Any]] | None, prune_after: bool = True) -> bool:
+        """Write and commit a checkpoint (then prune, with `prune_after`); whether it committed and this
+        rank is its node's leader (the one that prunes)."""
         t0 = time.monotonic()
         if self.idle and threading.current_thread() is self._thread:
             _set_policy(0, "SCHED_IDLE")
@@ -76,8 +94,8 @@ class AsyncSaver:
             if shards is not None:
                 with GATE:
                     written = shards(w.tmp)
-                for name in written:
-                    w.adopt(name)
+                for name, digest in written.items():
+                    w.adopt(name, digest)
             for name, obj in tensors.items():
                 with GATE:  # no loader worker is forked while torch.save runs here (training.forkgate)
                     w.write_tensors(name, obj, zip_crc=name == "model.pt")
@@ -85,13 +103,16 @@ class AsyncSaver:
                 with GATE:
                     w.write_json(name, obj)
             self.last_path = w.commit()
-            if w.leader:  # each node prunes its own disk where the directories are node-local
-                _remember_verified(self._verified, self.last_path)
-                prune(self.root, keep_last=self.keep_last, keep=keep, log=self.log, memo=self._verified)
             if self.on_written is not None:
                 self.on_written(step, time.monotonic() - t0)
+            if w.leader:  # each node prunes its own disk where the directories are node-local
+                _remember_verified(self._verified, self.last_path)
+                if prune_after:
+                    prune(self.root, keep_last=self.keep_last, keep=keep, log=self.log, memo=self._verified)
+            return w.leader
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
+            return False
 
     def wait(self) -> None:
         if self._thread is not None:

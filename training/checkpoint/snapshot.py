@@ -37,8 +37,10 @@ class Snapshot:
         if hasattr(obj, "to_local") and hasattr(obj, "device_mesh"):  # a DTensor: this rank's shard only
             from torch.distributed.tensor import DTensor
 
-            return DTensor.from_local(self.copy(obj.to_local(), path), obj.device_mesh, obj.placements,
-                                      shape=obj.shape, stride=obj.stride(), run_check=False)
+            # The host copy of the shard under the same spec (mesh, placements, global shape), as torch's
+            # own CPU offload of a state dict builds it: DTensor.from_local would move the local tensor
+            # to the mesh's device, a second device copy of every shard at each save on GPUs.
+            return DTensor(self.copy(obj.to_local(), path), obj._spec, requires_grad=False)
         if torch.is_tensor(obj):
             buf = self.buffers.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
