@@ -197,6 +197,19 @@ def test_resume_from_the_mean_of_the_last_sharded_checkpoints(tmp_path, lm_cache
     exported = torch.load(tmp_path / "mean.pt", weights_only=True)
     for k, v in exported.items():
         assert torch.allclose(v, restored[k], rtol=0, atol=1e-6), k
+    # Only checkpoints that pass the gate are averaged: the oldest, damaged, is left out (the ranks agree).
+    shard = paths[0] / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from the average of 2 checkpoints" in done.stdout, done.stdout[-3000:]
+    assert f"not averaged: {shard}: sha256 does not match the manifest" in done.stdout
+    restored = torch.load(tmp_path / "restored.pt", weights_only=True)["model"]
+    for k, v in restored.items():
+        mean = (torch.stack([m[k].double() for m in models[1:]]).mean(0)).to(v.dtype)
+        assert torch.allclose(v, mean, rtol=0, atol=1e-6), k
 
 
 def test_bf16_with_activation_checkpointing_trains_sharded_and_resumes(tmp_path, lm_cache):

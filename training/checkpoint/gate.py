@@ -7,9 +7,12 @@ contents), the trainer state readable with a step equal to the directory's, ever
 without unpickling (`weights_only`; a sharded checkpoint's DCP shards through DCP's reader, tensors
 only), every floating-point tensor finite, the step not behind
 `min_step`, and, given a `probe`, a forward pass on a held-out batch with a finite loss. The trainer's
-resume path and a cluster node pulling a checkpoint run it without the probe (every rank reads the
-same files; the train stage has probed before the launch); the train stage before a launch and the
-verification stage before promotion run it with one.
+resume path and a cluster node pulling a checkpoint run it without the probe; the trainer's ranks
+split it (each hashes and reads its share of the files and tensors, and all agree on the outcome), so
+a resume reads the checkpoint once for the gate however many ranks there are. The train stage before a
+launch runs it with the probe for a whole-model checkpoint (a sharded one: hashes and values, no
+forward pass, which would gather the model in the orchestrator); the verification stage before
+promotion runs it with the probe.
 
 A checkpoint that fails moves to `<checkpoints>/quarantine/<name>/` with `QUARANTINED.json` (the
 reason, when, the step); the previous one that passes takes its place. Nothing is deleted.
@@ -24,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ballast.training.checkpoint.commit import DCP_METADATA, _step_of, committed, read_trainer_state, verify
+from ballast.training.checkpoint.commit import (DCP_METADATA, _step_of, committed, held_files, read_trainer_state,
+                                               verify)
 from ballast.training.checkpoint.fileio import load_tensors
 from ballast.training.failure import CheckpointFailure
 
@@ -35,12 +39,17 @@ Probe = Callable[[Path, dict[str, Any]], float]
 """(checkpoint path, its model weights) -> the loss of a forward pass on a held-out batch."""
 
 
-def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None) -> dict[str, Any]:
-    """Raise CheckpointFailure naming the first thing wrong with `path`; return its trainer state."""
+def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None,
+          share: tuple[int, int] | None = None, probe_sharded: bool = True) -> dict[str, Any]:
+    """Raise CheckpointFailure naming the first thing wrong with `path`; return its trainer state.
+    `share` (part, parts): check only this part of the files' hashes and tensors (`latest_passing`'s
+    ranks split the check and agree on it). `probe_sharded` false: a sharded checkpoint gets no forward
+    pass (it would gather the whole model in this process), only its hashes and every tensor's values."""
     import torch
 
     path = Path(path)
-    manifest = verify(path)
+    manifest = verify(path, share=share)
+    mine = set(sorted(manifest["files"])[share[0]::share[1]]) if share else set(manifest["files"])
     state = read_trainer_state(path)
     if state.get("step") != _step_of(path):
         raise CheckpointFailure(f"{path}: trainer.json records step {state.get('step')!r}, the directory says"
@@ -50,7 +59,7 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
                                 f" stage already verified; the step must not go backwards")
     weights: dict[str, Any] = {}
     for name in sorted(manifest["files"]):
-        if not name.endswith(".pt"):
+        if not name.endswith(".pt") or (name not in mine and not (probe is not None and name == "model.pt")):
             continue
         tensors = load_tensors(path / name)
         for key, value in _tensors(tensors):
@@ -61,7 +70,9 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
     if DCP_METADATA in manifest["files"]:  # sharded (FSDP): DCP's shards, read a bounded batch at a time
         from ballast.training.checkpoint import dcp
 
-        dcp.check(path)
+        dcp.check(path, share=share)
+        if not probe_sharded:
+            probe = None
         if probe is not None:
             weights = dcp.model_weights(path)  # the probe's forward pass needs the model in one process
     if probe is not None:
@@ -103,23 +114,39 @@ def quarantine(path: Path, reason: str) -> Path:
 
 
 def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | None = None,
-                   quarantine_failures: bool = True, log: Callable[[str], Any] = print) -> Path | None:
+                   quarantine_failures: bool = True, log: Callable[[str], Any] = print,
+                   share: tuple[int, int] | None = None, probe_sharded: bool = True,
+                   agree: Callable[[Any], list[Any]] | None = None) -> Path | None:
     """The newest committed checkpoint under `root` that passes `check`; the newer ones that fail are
     quarantined (or only skipped, with `quarantine_failures=False`: the trainer's ranks read, the
-    orchestrator moves)."""
-    for path in reversed(committed(root)):
+    orchestrator moves). `share` and `agree`: the trainer's ranks each check their share of every
+    checkpoint (its files hashed once, its tensors read once between them, not once per rank);
+    `agree(value)` gives every rank each rank's value (collectively): first the checkpoints each rank
+    sees (the ones all see are the candidates: a node's disk may hold one its peers lack), then each
+    rank's failure (or None) for each candidate, so that all take the same one."""
+    candidates = list(reversed(committed(root)))
+    if agree is not None:
+        candidates = [p for p in candidates if held_files(p) is None]  # a node's share: never resumed from
+        seen = [set(names) for names in agree([p.name for p in candidates])]
+        candidates = [p for p in candidates if all(p.name in names for names in seen)]
+    for path in candidates:
         if min_step is not None and _step_of(path) < min_step:
             log(f"no checkpoint at or after step {min_step} passes the gate; {path.name} and older are behind it")
             return None  # older ones are not damaged, only too old: left where they are
         try:
-            check(path, probe=probe, min_step=min_step)
-            return path
+            check(path, probe=probe, min_step=min_step, share=share, probe_sharded=probe_sharded)
+            failure = None
         except CheckpointFailure as exc:
-            if quarantine_failures:
-                moved = quarantine(path, str(exc))
-                log(f"checkpoint quarantined: {exc} (moved to {moved})")
-            else:
-                log(f"checkpoint skipped: {exc}")
+            failure = str(exc)
+        if agree is not None:
+            failure = next((f for f in agree(failure) if f), None)
+        if failure is None:
+            return path
+        if quarantine_failures:
+            moved = quarantine(path, failure)
+            log(f"checkpoint quarantined: {failure} (moved to {moved})")
+        else:
+            log(f"checkpoint skipped: {failure}")
     return None
 
 

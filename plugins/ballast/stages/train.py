@@ -132,8 +132,10 @@ def _gate_checkpoints(ctx: RunContext, cache, ckpt_dir: Path) -> Path | None:
     floor = None
     if (ctx.round or 1) > 1:
         floor = _verified_step(ctx, ctx.round - 1)
+    # A sharded (FSDP) checkpoint gets no forward pass here: it would gather the whole model in this one
+    # process before every try. Its hashes and every tensor's values are checked, a bounded batch at a time.
     resume = gate.latest_passing(ckpt_dir, probe=held_out_probe(cache.cache_dir, cache.format), min_step=floor,
-                                 log=ctx.log.warning)
+                                 log=ctx.log.warning, probe_sharded=False)
     if resume is None and floor is not None:
         raise CheckpointError(f"{ckpt_dir}: no checkpoint at or after step {floor}, which round {ctx.round - 1}"
                               f" verified, passes the verification gate (see {ckpt_dir / gate.QUARANTINE_DIR});"

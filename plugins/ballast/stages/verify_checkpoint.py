@@ -20,16 +20,18 @@ from ballast.errors import CheckpointError
 from ballast.records import CheckedCheckpoint, VerifyResult
 
 
-def load_model(path: Path) -> tuple[Any, dict[str, Any]]:
+def load_model(path: Path, weights: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """The checkpoint's model with its weights loaded, and the weights: built from the model section
     its trainer.json records (training.checkpoint.recorded_model), not from the spec, which may have
     been edited since. A CheckpointFailure (missing or damaged file) goes up as it is: the runner
     translates it (class data, no retry); a model whose package fails to build it is a ConfigFailure
-    naming the package (class config)."""
+    naming the package (class config). `weights`: the checkpoint's model weights already read (the
+    gate's), not read a second time."""
     from ballast.training import checkpoint as ckpt
 
     section = recorded_section(path)
-    weights = ckpt.model_weights(path)  # model.pt, or a sharded (FSDP) checkpoint's model pieces
+    if not weights:
+        weights = ckpt.model_weights(path)  # model.pt, or a sharded (FSDP) checkpoint's model pieces
     model = build_recorded(section)
     try:
         model.load_state_dict(weights)
@@ -87,7 +89,7 @@ def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
     x, y = task_ops.as_tensors(task_ops.take(x, 0, PROBE_ROWS)), task_ops.as_tensors(task_ops.take(y, 0, PROBE_ROWS))
 
     def probe(path: Path, weights: dict) -> float:
-        model, _ = load_model(path)
+        model, _ = load_model(path, weights)  # the weights the gate read: one copy of the model here
         model.eval()
         section = recorded_section(path)
         task = task_ops.TaskOps(section.task, num_classes=section.data.get("num_classes"))
