@@ -450,7 +450,9 @@ ours.load_state_dict(ckpt.load_tensors(folder + "/model.safetensors.index.json")
 with torch.no_grad():
     theirs = hf(input_ids=expected["tokens"], use_cache=False).logits
     again = ours(expected["tokens"])
+blocks = [name for name, m in ours.named_modules() if any(m is b for b in ours.ballast_blocks())]
 print(json.dumps({"class": type(hf).__name__, "info": {k: sorted(map(str, v)) for k, v in info.items()},
+                  "blocks": blocks,
                   "transformers": torch.equal(theirs, expected["logits"]), "ballast": torch.equal(again, expected["logits"]),
                   "max_diff": float((theirs - expected["logits"]).abs().max())}))
 """
@@ -459,7 +461,7 @@ print(json.dumps({"class": type(hf).__name__, "info": {k: sorted(map(str, v)) fo
 @pytest.mark.integration
 def test_a_hf_causal_lm_published_in_shards_loads_with_transformers_from_pretrained(tmp_path):
     """In a reader environment with transformers (tests/reader_envs/transformers.txt): a hf_causal_lm model
-    saved as a DCP checkpoint is published (here, in the test's environment, without transformers) as
+    names its Transformer layers as its FSDP blocks; saved as a DCP checkpoint, it is published (here, in the test's environment, without transformers) as
     >= 3 shards in transformers' names with its config.json; `AutoModelForCausalLM.from_pretrained(dir)`
     loads every weight and gives the model's logits exactly, and so does Ballast's own load."""
     from ballast.stages.publish import to_safetensors
@@ -478,3 +480,5 @@ def test_a_hf_causal_lm_published_in_shards_loads_with_transformers_from_pretrai
     assert got["class"] == "GPT2LMHeadModel"
     assert not any(got["info"].values()), got["info"]  # no missing, unexpected or mismatched weight
     assert got["transformers"] and got["ballast"], got
+    # FSDP shards it per Transformer layer: its blocks are transformers' _no_split_modules (GPT2Block)
+    assert got["blocks"] == ["model.transformer.h.0", "model.transformer.h.1"], got["blocks"]

@@ -62,9 +62,10 @@ def prepare_blocks(model: Any, *, sharded: bool, activation_checkpointing: bool,
     """The model's blocks, with activation checkpointing applied where asked; the warning for a model
     that names none where they were needed."""
     blocks = model_blocks(model)
-    if blocks is None and (sharded or activation_checkpointing):
+    if not blocks and (sharded or activation_checkpointing):
         name = type(model).__name__
-        log(f"warning: model {name} has no ballast_blocks() method: "
+        lacks = "has no ballast_blocks() method" if blocks is None else "names no block (ballast_blocks() is empty)"
+        log(f"warning: model {name} {lacks}: "
             + ("FSDP wraps it whole (every parameter gathered at once in forward and backward)" if sharded else "")
             + ("; " if sharded and activation_checkpointing else "")
             + ("no activation checkpointing (it is applied per block)" if activation_checkpointing else ""))

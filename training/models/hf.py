@@ -57,7 +57,19 @@ def hf_causal_lm(options: dict[str, Any], data: dict[str, Any]) -> Any:
         def forward(self, tokens):
             return self.model(input_ids=tokens.long(), use_cache=False).logits
 
+        def ballast_blocks(self):
+            """The Transformer layers: the modules of the classes transformers keeps whole when it splits
+            a model across devices (`_no_split_modules`, e.g. GPT2Block, LlamaDecoderLayer)."""
+            return _no_split_blocks(self.model)
+
     return CausalLM()
+
+
+def _no_split_blocks(model: Any) -> list[Any]:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    inner = {id(c) for b in blocks for c in b.modules() if c is not b}
+    return [b for b in blocks if id(b) not in inner]  # the outermost: a block inside a block is its own
 
 
 def _from_transformers_names(module: Any, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
