@@ -21,22 +21,27 @@ from ballast.training.failure import CheckpointFailure
 
 
 def average(paths: list[Path]) -> dict[str, Any]:
-    """Mean of the model weights of several checkpoints (the seed documents' mean of the last 3)."""
+    """Mean of the model weights of several checkpoints (the seed documents' mean of the last 3): one
+    checkpoint's model read at a time into float64 running sums (the mean model, not K of them, held)."""
     import torch
 
     if not paths:
         raise CheckpointFailure("no checkpoints to average")
-    states = [model_weights(Path(p)) for p in paths]  # model.pt, or a sharded checkpoint's model (the export)
-    keys = states[0].keys()
-    for p, st in zip(paths, states):
-        if st.keys() != keys:
+    out: dict[str, Any] = {}  # float64 running sums of the floating-point tensors, the first's others
+    dtypes: dict[str, Any] = {}
+    for i, p in enumerate(paths):
+        state = model_weights(Path(p))  # model.pt, or a sharded checkpoint's model (the export)
+        if i and state.keys() != out.keys():
             raise CheckpointFailure(f"{p}: holds other tensors than {paths[0]}; cannot average different models")
-    out = {}
-    for k in keys:
-        t = states[0][k]
-        out[k] = (torch.stack([st[k].double() for st in states]).mean(0).to(t.dtype)
-                  if torch.is_floating_point(t) else t.clone())
-    return out
+        for k, t in state.items():
+            if not torch.is_floating_point(t):
+                out.setdefault(k, t)
+            elif i:
+                out[k].add_(t)
+            else:
+                out[k], dtypes[k] = t.double(), t.dtype
+        del state
+    return {k: (t.div_(len(paths)).to(dtypes[k]) if k in dtypes else t) for k, t in out.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
