@@ -19,7 +19,8 @@ def _rank(rank: int, *, own: int, added: list[int], none: list[float], sync: lis
                        "dcp_save": [1]},
             "stretch_seconds": {"none": none, "sync": sync, "async": asyn},
             "async_blocked_seconds": [0.01] * len(none), "async_write_done_inside_stretch": [True] * len(none),
-            "save_seconds": save, "load_seconds": load, "state_equal_after_load": [True, True]}
+            "save_seconds": save, "load_seconds": load, "state_equal_after_load": [True, True],
+            "gate_seconds": [0.5 + rank / 10] * 3, "gate_found_newest": [True] * 3}
 
 
 OPTS = {**bench.SMALL, "threads": 1, "backend": "gloo", "writer_priority": "idle"}
@@ -47,6 +48,9 @@ def test_the_targets_take_the_worst_rank_and_the_medians_of_the_slowest_rank():
     assert t["async_time_lost"]["value"] == pytest.approx(0.1, abs=1e-4) and t["async_time_lost"]["met"]
     assert t["save_vs_dcp"] == {"value": round(2.0 / 2.1, 4), "target": ">= 0.9", "met": True}
     assert t["load_vs_dcp"]["value"] == round(1.0 / 1.1, 4) and t["load_vs_dcp"]["met"]
+    # the resume gate beside it (the slowest rank's, 0.6 s), and the ratio with it added to the load
+    assert t["load_vs_dcp"]["resume_gate_seconds_median"] == 0.6 and out["resume_gate_passed_newest"]
+    assert t["load_vs_dcp"]["with_resume_gate"] == round(1.0 / (1.1 + 0.6), 4)
     assert out["state_bytes"] == 200 * MiB and out["state_bytes_per_rank"] == 100 * MiB
     # A slower async stretch than the sync one is a miss, not a negative figure turned into a pass.
     ranks[1]["stretch_seconds"]["async"] = [15.0, 15.0, 15.0]
@@ -86,7 +90,8 @@ def test_the_small_bench_reports_every_target_and_leaves_no_rank_running():
     params, tied = m["parameters"], 4 * m["vocab"] * m["width"]
     assert 3 * 4 * params + tied <= out["state_bytes"] <= 3 * 4 * params + tied + 4096
     assert all(len(v) == out["repeats"] for v in out["stretch_seconds"].values())
-    assert out["state_restored_exactly"] is True
+    assert out["state_restored_exactly"] is True and out["resume_gate_passed_newest"] is True
+    assert len(out["resume_gate_seconds"]) == out["io_repeats"]
     assert not multiprocessing.active_children()
 
 

@@ -9,9 +9,12 @@ Ballast's CheckpointManager, on synthetic token ids (the data path is not what i
   first save (the snapshot buffers are allocated then), the following ones (reused), and plain DCP;
 * time lost: the same stretch of training steps without a save, with one synchronous and with one
   asynchronous save in its middle, each stretch ending when the save is committed, in rotated order;
-* save and load: Ballast's synchronous save (snapshot, DCP shards, sha256, manifest, commit marker,
-  pruning) and resume (`CheckpointManager.load`) against `torch.distributed.checkpoint.save`/`load` of
-  the same sharded state to a fresh directory, in alternating order.
+* save and load: Ballast's synchronous save until it has committed (DCP shards hashed as written,
+  manifest, commit marker; the pruning it then starts in the background is not timed) and resume
+  (`CheckpointManager.load`) against `torch.distributed.checkpoint.save`/`load` of the same sharded
+  state to a fresh directory, in alternating order, each after every write is on disk and the page
+  cache dropped where the bench may (root); and the resume gate a restart runs before that load (split
+  between the ranks), timed apart.
 
 Timings are taken between barriers on every rank; the parent takes the slowest rank. The rank writes
 `rank-<R>.json` into the output directory. Importing this module does not import torch.
@@ -149,6 +152,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
                               "memory": {}, "stretch_seconds": {"none": [], "sync": [], "async": []},
                               "async_blocked_seconds": [], "async_write_done_inside_stretch": [],
                               "save_seconds": {"ballast": [], "dcp": []}, "load_seconds": {"ballast": [], "dcp": []},
+                              "gate_seconds": [], "gate_found_newest": [],
                               "state_equal_after_load": []}
 
     def memory(label: str, fn) -> None:
@@ -218,15 +222,25 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
         step()
         before = _checksum(model, opt)
         path = dcp_dir()
-        saves = {"ballast": lambda: save(False), "dcp": lambda path=path: dcp_save(path)}
+        saves = {"ballast": lambda: manager.save("bench", asynchronous=False),
+                 "dcp": lambda path=path: dcp_save(path)}
         for kind in (("ballast", "dcp") if rep % 2 == 0 else ("dcp", "ballast")):
-            result["save_seconds"][kind].append(timed(saves[kind]))
+            result["page_cache_dropped"] = _settle(rank, barrier)
+            result["save_seconds"][kind].append(timed(saves[kind]))  # Ballast's: until committed
+            manager.wait()  # the pruning that follows a synchronous save, in the background: not timed
         loads = {"ballast": lambda latest=manager.saver.last_path: manager.load(latest),
                  "dcp": lambda path=path: _dcp_load(model, opt, path)}
         for kind in (("dcp", "ballast") if rep % 2 == 0 else ("ballast", "dcp")):
             _perturb(model)
+            _settle(rank, barrier)
             result["load_seconds"][kind].append(timed(loads[kind]))
             result["state_equal_after_load"].append(_checksum(model, opt) == before)
+        # What a resume adds before that load: the gate (the ranks split it: hashes and values of the
+        # newest checkpoint, which passes), which DCP's load has no counterpart of.
+        _settle(rank, barrier)
+        found: list[Any] = []
+        result["gate_seconds"].append(timed(lambda: found.append(manager.latest())))
+        result["gate_found_newest"].append(found == [manager.saver.last_path])
         _drop(path, rank, barrier)
     result["rss_end"] = _rss()
     result["events"] = [e for e in metrics.events if e["event"] == "checkpoint"][-3:]
@@ -244,6 +258,24 @@ def _dcp_load(model: Any, opt: Any, path: Path) -> None:
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=str(path))
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def _settle(rank: int, barrier) -> bool:
+    """Before a timed save or load: every write so far on disk and, where this process may (root), the
+    page cache dropped, so that neither side writes into memory the other has just freed (on this
+    machine a save right after a pruning or deletion ran up to twice as fast as one that was not) or
+    reads what the other left cached. Whether the cache was dropped."""
+    os.sync()
+    barrier()
+    dropped = False
+    if rank == 0:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+            dropped = True
+        except OSError:
+            pass
+    barrier()
+    return dropped
 
 
 def _drop(path: Path, rank: int, barrier) -> None:
