@@ -239,3 +239,36 @@ def test_training_progress_reaches_s3_while_a_try_runs_and_when_it_ends(bucket, 
     view = run_summary(ctx.storage, "ballast_digits", "r2", now=1020.0)
     assert view["curves"]["step"] == [10, 20], view["records"]
     assert view["progress"]["step"] == 10
+
+
+def test_a_growing_log_is_appended_sending_only_its_new_bytes(bucket, tmp_path):
+    """S3Storage.append: past S3's 5 MiB least part, the stored bytes are copied within S3 and only what
+    the file grew by is sent; the object is the whole file after each append. Smaller, or when the
+    object is not what was stored, the file goes whole."""
+    store = open_storage(f"s3://{bucket}/logs")
+    sent: list[int] = []
+    real_part, real_upload = store.client.upload_part, store.client.upload_file
+    store.client.upload_part = lambda **kw: (sent.append(len(kw["Body"])), real_part(**kw))[1]
+    store.client.upload_file = lambda path, *a, **kw: (sent.append(-(tmp_path / path).stat().st_size),
+                                                       real_upload(path, *a, **kw))[1]
+    log = tmp_path / "metrics.jsonl"
+    line = b'{"event": "step", "step": 10, "loss": 1.0}\n'
+    log.write_bytes(line * 1000)
+    stored = store.append(log, "run/metrics.jsonl", 0)  # small: whole
+    assert stored == log.stat().st_size and sent == [-stored]
+    log.write_bytes(line * ((6 << 20) // len(line) + 1))
+    stored = store.append(log, "run/metrics.jsonl", stored)  # past 5 MiB, but first time this size: whole
+    assert sent[-1] == -stored and store.read_bytes("run/metrics.jsonl") == log.read_bytes()
+    sent.clear()
+    for k in range(3):  # each append sends what is new, nothing else
+        with log.open("ab") as fh:
+            fh.write(line * (k + 1))
+        before, stored = stored, store.append(log, "run/metrics.jsonl", stored)
+        assert sent == [stored - before] and store.read_bytes("run/metrics.jsonl") == log.read_bytes()
+        sent.clear()
+    assert store.append(log, "run/metrics.jsonl", stored) == stored and sent == []  # unchanged: nothing
+    store.write_bytes("run/metrics.jsonl", b"replaced")  # not what this process stored: the file whole
+    with log.open("ab") as fh:
+        fh.write(line)
+    stored = store.append(log, "run/metrics.jsonl", stored)
+    assert sent == [-stored] and store.read_bytes("run/metrics.jsonl") == log.read_bytes()

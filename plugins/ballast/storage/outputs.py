@@ -3,7 +3,8 @@
 Where the run's storage is a file system, the trainers write their event log and heartbeat there and
 nothing is copied. With S3, `OutputsUpload` copies `metrics.jsonl`, `curves.json`, `heartbeat` and `summary.json` from
 the try's local output directory to `runs/<dag>/<run>/train/` every `interval` seconds while it trains,
-and once more when it stops.
+and once more when it stops. The event log only grows: each copy sends its new bytes (S3Storage.append),
+not the whole log again.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from ballast.training.outputs import EVENTS, HEARTBEAT, SUMMARY
 FILES = (EVENTS, CURVES, HEARTBEAT, SUMMARY)  # what the view reads of a try, named by the trainer's contract
 
 
-def upload_outputs(ctx: Any, out_dir: Path) -> list[str]:
-    """Copy what exists of FILES to storage; the keys written. Errors are the caller's to log."""
+def upload_outputs(ctx: Any, out_dir: Path, stored: dict[str, int] | None = None) -> list[str]:
+    """Copy what exists of FILES to storage; the keys written. Errors are the caller's to log.
+    `stored`: the event log's bytes already in storage from earlier calls (kept by the caller): only its
+    new bytes are sent (the storage's `append`, where it has one), so copying it every few seconds
+    costs what it grew by, not its whole length again."""
     if ctx.storage.local_path(ctx.run_key) is not None:
         return []
     written = []
@@ -27,16 +31,24 @@ def upload_outputs(ctx: Any, out_dir: Path) -> list[str]:
         path = Path(out_dir) / name
         if path.is_file():
             key = f"{ctx.run_key}/train/{name}"
-            ctx.storage.upload(path, key)
+            if name == EVENTS and stored is not None and hasattr(ctx.storage, "append"):
+                before = stored.get(key, 0)
+                stored[key] = ctx.storage.append(path, key, before)
+                if stored[key] == before:
+                    continue  # unchanged
+            else:
+                ctx.storage.upload(path, key)
             written.append(key)
     return written
 
 
-def copy_outputs(ctx: Any, out_dir: Path) -> None:
+def copy_outputs(ctx: Any, out_dir: Path, stored: dict[str, int] | None = None) -> None:
     """`upload_outputs`, a failure only logged: progress for the view; training goes on without it."""
     try:
-        upload_outputs(ctx, out_dir)
+        upload_outputs(ctx, out_dir, stored)
     except Exception as exc:  # noqa: BLE001
+        if stored is not None:
+            stored.clear()  # what is stored is not known now: the next copy checks it
         ctx.log.warning("could not copy training progress to storage: %s", exc)
 
 
@@ -46,6 +58,7 @@ class OutputsUpload(threading.Thread):
         self.ctx, self.out_dir, self.interval = ctx, Path(out_dir), interval
         self._done = threading.Event()
         self._lock = threading.Lock()  # one copy at a time: the final one is never overtaken by an older
+        self._stored: dict[str, int] = {}  # the event log's bytes in storage: each copy sends what is new
 
     def run(self) -> None:
         while not self._done.wait(self.interval):
@@ -58,4 +71,4 @@ class OutputsUpload(threading.Thread):
 
     def _once(self) -> None:
         with self._lock:
-            copy_outputs(self.ctx, self.out_dir)
+            copy_outputs(self.ctx, self.out_dir, self._stored)

@@ -13,6 +13,10 @@ from ballast.errors import StorageError
 from ballast.storage.base import Storage, is_listed, limited, listing_prefix, safe_key
 
 
+_MIN_PART = 5 << 20  # S3's least size of a multipart upload's part (all but the last)
+_MAX_PART = 5 << 30  # and its most
+
+
 class S3Storage(Storage):
     """S3 or any S3-compatible endpoint, through boto3 (imported only when used)."""
 
@@ -93,6 +97,53 @@ class S3Storage(Storage):
         # Multipart above the chunk size; S3 shows the object only once the upload completes.
         self._call("upload", key, self.client.upload_file, str(local), self.bucket, self._key(key),
                    Config=self.transfer)
+
+    def append(self, local: Path, key: str, stored: int) -> int:
+        """Make the object `key` the whole local file `local`, which has only grown since its first
+        `stored` bytes were stored there (an append-only log): the new bytes are sent, the stored ones
+        copied within S3 (a multipart upload whose first parts are UploadPartCopy ranges of the object
+        itself). Below S3's 5 MiB least part, or when the object is not `stored` bytes long, the file is
+        uploaded whole. The size now stored."""
+        local = Path(local)
+        size = local.stat().st_size
+        if size == stored and stored:
+            return size
+        if stored < _MIN_PART or size < stored or not self._has_size(key, stored):
+            self.upload(local, key)
+            return size
+        k = self._key(key)
+        mpu = self._call("append", key, self.client.create_multipart_upload, Bucket=self.bucket, Key=k)
+        parts = []
+        try:
+            for start in range(0, stored, _MAX_PART):  # the stored bytes, copied by S3 from the object itself
+                end = min(start + _MAX_PART, stored) - 1
+                r = self._call("append", key, self.client.upload_part_copy, Bucket=self.bucket, Key=k,
+                               UploadId=mpu["UploadId"], PartNumber=len(parts) + 1,
+                               CopySource={"Bucket": self.bucket, "Key": k}, CopySourceRange=f"bytes={start}-{end}")
+                parts.append({"ETag": r["CopyPartResult"]["ETag"], "PartNumber": len(parts) + 1})
+            with open(local, "rb") as fh:  # then what is new, read from where the stored bytes end
+                fh.seek(stored)
+                while chunk := fh.read(min(_MAX_PART, size - fh.tell())):
+                    r = self._call("append", key, self.client.upload_part, Bucket=self.bucket, Key=k,
+                                   UploadId=mpu["UploadId"], PartNumber=len(parts) + 1, Body=chunk)
+                    parts.append({"ETag": r["ETag"], "PartNumber": len(parts) + 1})
+                    if fh.tell() >= size:
+                        break
+            self._call("append", key, self.client.complete_multipart_upload, Bucket=self.bucket, Key=k,
+                       UploadId=mpu["UploadId"], MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=mpu["UploadId"])
+            except Exception:  # noqa: BLE001 - the append's own error is the one to report
+                pass
+            raise
+        return size
+
+    def _has_size(self, key: str, size: int) -> bool:
+        try:
+            return self.size(key) == size
+        except StorageError:
+            return False
 
     def download(self, key: str, local: Path) -> None:
         local = Path(local)
