@@ -6,10 +6,12 @@ dump OUT     rank 0 writes the full restored model and optimizer state (gathered
              worker: the trainer never gathers) and the step to OUT, with torch.save
 crash-save   the next step's checkpoint is saved synchronously; rank 1 exits right after writing its
              shards, before the commit: the save never completes
+crash-write  the same, but rank 1 exits in the middle of writing its shard file (64 KiB into it)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -29,6 +31,35 @@ def main() -> None:
         msd, osd = get_state_dict(t.model, t.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if t.rank == 0:
             torch.save({"model": msd, "optim": osd["state"], "step": t.state.step}, sys.argv[3])
+    elif mode == "crash-write":
+        make = dcp._hashing_file_system
+
+        def dying(digests):  # rank 1's shard stream ends the process once 64 KiB of it are on disk
+            fs = make(digests)
+            real = fs.create_stream
+
+            @contextlib.contextmanager
+            def create_stream(path, m):
+                with real(path, m) as stream:
+                    if "w" in m and t.rank == 1 and str(path).endswith(".distcp"):
+                        write = stream.write
+
+                        def write_then_die(b):
+                            n = write(b)
+                            if stream.size > 1 << 16:
+                                stream.flush()
+                                os._exit(17)
+                            return n
+
+                        stream.write = write_then_die
+                    yield stream
+
+            fs.create_stream = create_stream
+            return fs
+
+        dcp._hashing_file_system = dying
+        t.state.step += 1
+        t.save("test", asynchronous=False)
     elif mode == "crash-save":
         write = dcp.write
 

@@ -75,7 +75,7 @@ def test_ranks_agree_one_ranks_failure_skips_the_checkpoint_on_all(tmp_path):
 
 
 def test_a_checkpoint_one_rank_lacks_is_no_candidate(tmp_path):
-    older, newest = _save(tmp_path, 10), _save(tmp_path, 20)
+    older, _newest = _save(tmp_path, 10), _save(tmp_path, 20)
 
     def agree(value):  # the peer's disk holds only the older one (a save committed on this node only)
         return [value, [older.name]] if isinstance(value, list) else [value, None]

@@ -461,7 +461,8 @@ print(json.dumps({"class": type(hf).__name__, "info": {k: sorted(map(str, v)) fo
 @pytest.mark.integration
 def test_a_hf_causal_lm_published_in_shards_loads_with_transformers_from_pretrained(tmp_path):
     """In a reader environment with transformers (tests/reader_envs/transformers.txt): a hf_causal_lm model
-    names its Transformer layers as its FSDP blocks; saved as a DCP checkpoint, it is published (here, in the test's environment, without transformers) as
+    names its Transformer layers as its FSDP blocks; saved as a DCP checkpoint, it is published (here, in
+    the test's environment, without transformers) as
     >= 3 shards in transformers' names with its config.json; `AutoModelForCausalLM.from_pretrained(dir)`
     loads every weight and gives the model's logits exactly, and so does Ballast's own load."""
     from ballast.stages.publish import to_safetensors

@@ -271,7 +271,8 @@ def test_validation_of_data_several_times_the_memory_limit_gives_the_small_sampl
     print(f"data {data >> 20} MiB; VmPeak after imports and the small run {out['baseline'] >> 20} MiB, limit"
           f" {out['limit'] >> 20} MiB, room under it {out['room'] >> 20} MiB")
     assert out["whole"] == "MemoryError", f"reading the data whole must not fit under the limit: {out['whole']}"
-    assert data > 3 * out["room"], f"the data ({data >> 20} MiB) must be several times the room ({out['room'] >> 20} MiB)"
+    assert data > 3 * out["room"], f"the data ({data >> 20} MiB) must be several times the room ({out['room'] >> 20}"\
+                                   " MiB)"
     assert small["rows"] == n and big["rows"] == n * repeat
     assert small["quarantined"] == [3, 41]
     assert big["quarantined"] == [k * n + i for k in range(repeat) for i in (3, 41)]
