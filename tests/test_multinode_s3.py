@@ -438,3 +438,41 @@ def test_a_node_of_several_on_object_storage_commits_into_a_node_local_directory
         == cfg.checkpoint.model_dump(exclude={"directory", "node_local"})
     with pytest.raises(ValueError, match="needs the all-gather"):
         ckpt.Writer(tmp_path, 10, rank=0, barrier=lambda: None, node_local=True)
+
+
+@pytest.mark.unit
+def test_each_nodes_outputs_are_pushed_and_merged_wherever_global_rank_0_ran(tmp_path):
+    """Global rank 0 (summary, events, curve history) is on whichever node torchrun's rendezvous ranks
+    first, not necessarily Ballast's node 0, and each node may hold a failure record: every node pushes
+    under node<k>/, and the train task takes rank 0's files from wherever they are and the first
+    failure written on any node as failure.json (the others as failure-rank<R>.json)."""
+    from types import SimpleNamespace
+
+    from ballast.node import push_outputs
+    from ballast.stages.train_try import _fetch_outputs
+    from ballast.storage import FileStorage
+    from ballast.training.outputs import FailureRecord, read_failure, write_failure
+
+    ctx = SimpleNamespace(storage=FileStorage(tmp_path / "store"), run_key="runs/d/r", try_number=2)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for k, out in enumerate(nodes):
+        out.mkdir()
+        (out / f"run-node{k}.json").write_text("{}")
+    (nodes[1] / "summary.json").write_text('{"steps": 42}')  # rank 0 ran on node 1
+    (nodes[1] / "metrics.jsonl").write_text('{"event": "step"}\n')
+    write_failure(nodes[1], FailureRecord.model_validate({"class": "communication", "rank": 0, "time": 20.0}))
+    write_failure(nodes[0], FailureRecord.model_validate({"class": "oom", "rank": 1, "time": 10.0}))  # first
+    write_failure(nodes[0], FailureRecord.model_validate({"class": "communication", "rank": 2, "time": 30.0}))
+    for k, out in enumerate(nodes):
+        push_outputs(ctx, out, node=k)
+    task = tmp_path / "task"
+    task.mkdir()
+    _fetch_outputs(ctx, task)
+    assert (task / "summary.json").read_text() == '{"steps": 42}' and (task / "metrics.jsonl").is_file()
+    assert (task / "run-node0.json").is_file() and (task / "run-node1.json").is_file()
+    first = read_failure(task)
+    assert (first.failure_class, first.rank) == ("oom", 1)
+    assert read_failure(task, "failure-rank0.json").rank == 0 and read_failure(task, "failure-rank2.json").rank == 2
+    assert sorted(p.name for p in task.iterdir()) == ["failure-rank0.json", "failure-rank2.json", "failure.json",
+                                                      "metrics.jsonl", "run-node0.json", "run-node1.json",
+                                                      "summary.json"]

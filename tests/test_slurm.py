@@ -249,7 +249,7 @@ def test_with_s3_storage_a_node_pulls_and_pushes_checkpoints_and_its_record_come
     assert tries[1].settings["micro_batch_size"] == 16  # the adaptation reached the node
     from ballast.node import outputs_prefix
 
-    ran = json.loads(ctx.storage.read_bytes(outputs_prefix(ctx.run_key, 2) + "run-node0.json"))
+    ran = json.loads(ctx.storage.read_bytes(outputs_prefix(ctx.run_key, 2, node=0) + "run-node0.json"))
     assert ran["batch"]["micro_batch_size"] == 16  # in the run config its trainer read (no env variable)
     keys = set(ctx.storage.list(f"{ctx.run_key}/checkpoints/"))
     committed = sorted(k.split("/")[-2] for k in keys if k.endswith("/COMMITTED"))

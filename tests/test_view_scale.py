@@ -310,19 +310,28 @@ def test_a_cluster_trys_node_0_goes_on_with_the_runs_history(tmp_path, caplog):
     from ballast.training.curves import CURVES, CurveHistory, read_history, write_history
 
     storage = FileStorage(tmp_path / "store")
-    ctx = SimpleNamespace(storage=storage, run_key="runs/d/r")
+    ctx = SimpleNamespace(storage=storage, run_key="runs/d/r", try_number=2)
     fresh = tmp_path / "try-2-node0" / "train"
     fresh.mkdir(parents=True)
-    pull_history(ctx, fresh)  # a run's first try: nothing in storage yet, nothing pulled
+    assert pull_history(ctx, fresh) == {}  # a run's first try: nothing in storage yet, nothing pulled
     assert not (fresh / CURVES).exists()
     h = CurveHistory()
     for step in range(1, 41):
         h.add_step(step, float(step), {"loss": 1.0 / step})
     write_history(tmp_path, h)
     storage.upload(tmp_path / CURVES, f"runs/d/r/train/{CURVES}")
-    pull_history(ctx, fresh)
+    pulled = pull_history(ctx, fresh)
     got = read_history(fresh)
-    assert got is not None and got.buckets() == h.buckets()
+    assert got is not None and got.buckets() == h.buckets() and set(pulled) == {CURVES}
+    # A node whose ranks did not write it (global rank 0 ran on another node) does not push it back.
+    from ballast.node import push_outputs
+
+    push_outputs(ctx, fresh, node=1, unchanged=pulled)
+    assert not storage.exists(f"runs/d/r/train/try-2/out/node1/{CURVES}")
+    got.add_step(50, 50.0, {"loss": 0.02})
+    write_history(fresh, got)  # rank 0 ran here and went on with it: its history goes
+    push_outputs(ctx, fresh, node=1, unchanged=pulled)
+    assert storage.exists(f"runs/d/r/train/try-2/out/node1/{CURVES}")
 
     class Broken:  # storage failing: a warning, and training goes on without the history
         def exists(self, key):

@@ -142,8 +142,7 @@ def run(job: NodeJob, rank: int) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir)
         log.info("checkpoints from storage: %s (what this node resumes from, no more)", ", ".join(pulled) or "none")
-        if rank == 0:
-            pull_history(ctx, out_dir)
+        pulled_history = pull_history(ctx, out_dir)  # on every node: global rank 0 may be on any of them
     config_path = out_dir / f"run-node{rank}.json"
     node_config(job, out_dir=out_dir, checkpoint_dir=ckpt_dir, data_dir=cache.cache_dir, data_format=cache.format,
                 node_local=not shared and spec.training.nodes > 1).dump(config_path)
@@ -158,8 +157,7 @@ def run(job: NodeJob, rank: int) -> int:
     if syncer is not None:
         syncer.stop()
         checkpoint_sync.push(ctx, ckpt_dir, node=rank, wait=COMMIT_WAIT_SECONDS if rank == 0 else 0.0)
-        if rank == 0:
-            push_outputs(ctx, out_dir)
+        push_outputs(ctx, out_dir, node=rank, unchanged=pulled_history)
     log.info("launcher exited %d", rc)
     return rc
 
@@ -178,30 +176,42 @@ def node_config(job: NodeJob, *, out_dir: Path, checkpoint_dir: Path, data_dir: 
         "checkpoint": cfg.checkpoint.model_copy(update={"directory": str(checkpoint_dir), "node_local": node_local})})
 
 
-def outputs_prefix(run_key: str, try_number: int) -> str:
-    """Where a try's nodes leave the trainer's failure record(s), summary and events (one try's own)."""
-    return f"{run_key}/train/try-{try_number}/out/"
+def outputs_prefix(run_key: str, try_number: int, node: int | None = None) -> str:
+    """Where a try's nodes leave the trainer's failure record(s), summary and events (one try's own;
+    each node under `node<k>/`: global rank 0, which writes the summary and events, is on whichever
+    node torchrun's rendezvous ranks first, and every node may hold a failure record)."""
+    prefix = f"{run_key}/train/try-{try_number}/out/"
+    return prefix if node is None else f"{prefix}node{node}/"
 
 
-def pull_history(ctx, out_dir: Path) -> None:
+def pull_history(ctx, out_dir: Path) -> dict[str, tuple[int, int]]:
     """The run's curve history so far (`training.curves`, bounded whatever the run's length), so that this
     try's rank 0 goes on with it rather than start the view's whole-run curves again. Not the event log:
-    it grows with the run, and the view reads each try's own."""
+    it grows with the run, and the view reads each try's own. What was pulled, by name: (size, mtime_ns),
+    so that a node whose ranks did not write it (rank 0 ran elsewhere) does not push it back."""
     from ballast.training.curves import CURVES
 
-    key = f"{ctx.run_key}/train/{CURVES}"
+    key, local = f"{ctx.run_key}/train/{CURVES}", out_dir / CURVES
     try:
         if ctx.storage.exists(key):
-            ctx.storage.download(key, out_dir / CURVES)
+            ctx.storage.download(key, local)
+            st = local.stat()
+            return {CURVES: (st.st_size, st.st_mtime_ns)}
     except Exception as exc:  # the history is for the view: training goes on without it
         log.warning("could not pull the curve history %s: %s", ctx.storage.describe(key), exc)
+    return {}
 
 
-def push_outputs(ctx, out_dir: Path) -> None:
-    """The trainer's failure record(s), summary and events, where the train task reads them."""
+def push_outputs(ctx, out_dir: Path, *, node: int, unchanged: dict[str, tuple[int, int]] | None = None) -> None:
+    """This node's trainer outputs (failure records; where global rank 0 ran, the summary, events and
+    curve history), where the train task reads them (`stages.train_try`, which merges the nodes').
+    `unchanged`: files pulled before training, (size, mtime_ns), left out while still as pulled."""
     for path in sorted(out_dir.iterdir()):
         if path.is_file() and path.suffix in (".json", ".jsonl"):
-            ctx.storage.upload(path, outputs_prefix(ctx.run_key, ctx.try_number) + path.name)
+            st = path.stat()
+            if (unchanged or {}).get(path.name) == (st.st_size, st.st_mtime_ns):
+                continue  # pulled, and no rank here wrote it
+            ctx.storage.upload(path, outputs_prefix(ctx.run_key, ctx.try_number, node) + path.name)
 
 
 class _Syncer(threading.Thread):

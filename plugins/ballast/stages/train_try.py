@@ -13,6 +13,7 @@ system they are written there). How the try ended is decided for every backend a
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from pathlib import Path
@@ -146,12 +147,30 @@ def platform_failure(spec, end: Ending, name: str) -> BaseException:
 
 
 def _fetch_outputs(ctx: RunContext, out_dir: Path) -> None:
-    """The node's failure record(s) and summary, from storage into the task's `out_dir`."""
+    """The nodes' failure records, summary and events, from storage into the task's `out_dir`: each
+    node's files as they are (rank 0's are on one node), except the failure records, where the first
+    written on any node is `failure.json` and each other rank's is `failure-rank<R>.json`."""
+    from ballast.training.outputs import FAILURE_RECORD, read_failure
+
     prefix = outputs_prefix(ctx.run_key, ctx.try_number)
+    failures = []
     for key in ctx.storage.list(prefix):
-        name = key[len(prefix):]
-        if "/" not in name and name.endswith((".json", ".jsonl")):
+        node, _, name = key[len(prefix):].partition("/")
+        if not (node.startswith("node") and node[4:].isdigit() and name and "/" not in name
+                and name.endswith((".json", ".jsonl"))):
+            continue
+        if name.startswith("failure"):
+            staged = out_dir / f".{node}.{name}"
+            ctx.storage.download(key, staged)
+            failures.append(staged)
+        else:
             ctx.storage.download(key, out_dir / name)
+    records = [(r, f) for f in failures if (r := read_failure(f.parent, f.name)) is not None]
+    for i, (record, staged) in enumerate(sorted(records, key=lambda rf: rf[0].time)):
+        name = FAILURE_RECORD if i == 0 else f"failure-rank{record.rank}.json"
+        os.replace(staged, out_dir / name)
+    for staged in failures:
+        staged.unlink(missing_ok=True)
 
 
 def _publish_targets(ctx: RunContext, out_dir: Path) -> Path | None:
