@@ -66,6 +66,19 @@ def raw_table(n: int = 1200, seed: int = 0) -> dict:
     return {"images": images, "labels": labels}
 
 
+def damaged_rows(n: int = 1200) -> tuple[list[list[float]], list[int], list[int]]:
+    """`raw_table(n)`'s images and labels with five bad rows: 3 and 5 (NaN), 9 (out of range), 4 (short)
+    and 1 (a label outside 0-9); and those row numbers."""
+    t = raw_table(n)
+    rows = [list(r) for r in t["images"]]
+    labels = t["labels"]
+    rows[3][10] = rows[5][0] = float("nan")
+    rows[9][0] = 99.0
+    rows[4] = rows[4][:60]
+    labels[1] = 42
+    return rows, labels, [1, 3, 4, 5, 9]
+
+
 def write_raw(path: Path, images, labels, *, image_type=None) -> Path:
     """One raw Parquet file with the example's columns (image as a list column, label)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,3 +192,24 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return None
+
+
+def headless_chromium():
+    """Debian's headless Chromium under chromedriver, its console logged (CSP violations appear there)."""
+    import shutil
+
+    import pytest
+
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.fail("Debian's chromium and chromium-driver are not installed: `make browser` installs them")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,2200"):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: CSP violations are logged there
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)

@@ -10,12 +10,15 @@ daemons and SIGKILLs any job process left with this cluster's SLURM_CONF: nothin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 NODES = ("n1", "n2", "n3")
@@ -25,6 +28,29 @@ def available() -> str | None:
     """Why no cluster can start here (None: it can)."""
     missing = [c for c in ("slurmctld", "slurmd", "sbatch", "munged", "mungekey") if shutil.which(c) is None]
     return f"Slurm is not installed ({', '.join(missing)} missing): run `make slurm`" if missing else None
+
+
+@contextlib.contextmanager
+def running_cluster(memory_mb: int = 12000) -> Iterator[SlurmCluster]:
+    """A started cluster with SLURM_CONF naming it (what a Slurm user's environment names), for a test
+    module's fixture (after `available()`); stopped at the end, SLURM_CONF restored, and no job process
+    left behind."""
+    # munged wants every directory above its socket world-searchable: not pytest's 0700 tmp_path.
+    base = Path(tempfile.mkdtemp(prefix="ballast-slurm-"))
+    base.chmod(0o755)
+    c = SlurmCluster(base, memory_mb=memory_mb).start()
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(c.conf)
+    try:
+        yield c
+    finally:
+        c.stop()
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+        shutil.rmtree(base, ignore_errors=True)
+    assert c.leftovers() == [], "job processes outlived the cluster"
 
 
 def _free_ports(n: int) -> list[int]:

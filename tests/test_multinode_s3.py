@@ -179,14 +179,22 @@ def test_s3_push_and_pull_of_shards_per_node_with_the_marker_after_every_shard(c
             assert (pulled / name).read_bytes() == (root / "step-00000010" / name).read_bytes()
 
 
-@pytest.mark.integration
-def test_a_crash_between_shard_pushes_leaves_no_marker_and_the_previous_checkpoint_valid(ctx, tmp_path):
+def _committed_step_10(ctx, tmp_path: Path) -> list[Path]:
+    """Every node's directory with step 10 saved, both shares pushed and the checkpoint committed in storage."""
     from ballast.storage import checkpoints as sync
 
     roots = [tmp_path / f"node{n}" for n in range(NODES)]
     save_on_nodes(roots, 10)
     sync.push(ctx, roots[1], node=1)
     sync.push(ctx, roots[0], node=0)
+    return roots
+
+
+@pytest.mark.integration
+def test_a_crash_between_shard_pushes_leaves_no_marker_and_the_previous_checkpoint_valid(ctx, tmp_path):
+    from ballast.storage import checkpoints as sync
+
+    roots = _committed_step_10(ctx, tmp_path)
     save_on_nodes(roots, 20)
     # Node 1 dies after its first shard of step 20 is in storage (no second shard, no PUSHED record).
     real_upload, uploaded = ctx.storage.upload, []
@@ -229,10 +237,7 @@ def test_a_crash_between_shard_pushes_leaves_no_marker_and_the_previous_checkpoi
 def test_the_same_step_saved_again_is_recommitted_only_once_every_node_pushed_the_new_one(ctx, tmp_path):
     from ballast.storage import checkpoints as sync
 
-    roots = [tmp_path / f"node{n}" for n in range(NODES)]
-    save_on_nodes(roots, 10)
-    sync.push(ctx, roots[1], node=1)
-    sync.push(ctx, roots[0], node=0)
+    _committed_step_10(ctx, tmp_path)
     old = ctx.storage.read_bytes(_base(ctx, 10) + "__2_0.distcp")
     later = [tmp_path / f"later{n}" for n in range(NODES)]  # the next try's directories
     save_on_nodes(later, 10, version=1)
@@ -313,28 +318,13 @@ def test_fsdp_on_two_nodes_pushes_real_shards_per_node_and_resumes_from_storage_
 
 @pytest.fixture(scope="module")
 def cluster():
-    import os
-    import shutil
-    import tempfile
-
-    from slurm_cluster import SlurmCluster, available
+    from slurm_cluster import available, running_cluster
 
     why = available()
     if why:
         pytest.fail(why)
-    base = Path(tempfile.mkdtemp(prefix="ballast-slurm-"))
-    base.chmod(0o755)  # munged wants every directory above its socket world-searchable
-    c = SlurmCluster(base, memory_mb=12000).start()
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(c.conf)
-    yield c
-    c.stop()
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
-    assert c.leftovers() == [], "job processes outlived the cluster"
-    shutil.rmtree(base, ignore_errors=True)
+    with running_cluster() as c:
+        yield c
 
 
 @pytest.fixture

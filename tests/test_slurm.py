@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from ballast.launch.slurm import script as slurm_script, status as slurm_status
 from ballast.errors import Cancelled, ConfigError
 from ballast.recovery import history
 from helpers import example_data, make_ctx, run_chain, run_spec_dag
-from slurm_cluster import SlurmCluster, available
+from slurm_cluster import SlurmCluster, available, running_cluster
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +28,8 @@ def cluster():
     why = available()
     if why:
         pytest.fail(why)
-    # munged wants every directory above its socket world-searchable: not pytest's 0700 tmp_path.
-    base = Path(tempfile.mkdtemp(prefix="ballast-slurm-"))
-    base.chmod(0o755)
-    c = SlurmCluster(base, memory_mb=12000).start()
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(c.conf)  # what a Slurm user's environment names
-    yield c
-    c.stop()
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
-    assert c.leftovers() == [], "job processes outlived the cluster"
-    shutil.rmtree(base, ignore_errors=True)
+    with running_cluster() as c:
+        yield c
 
 
 def slurm_section(**extra) -> dict:

@@ -15,7 +15,7 @@ from ballast.data.packing import split_codes
 from ballast.stages import convert, validate, warm_cache
 from ballast.stages.warm_cache import plan_phases
 from ballast.storage import FileStorage, safe_key
-from helpers import make_ctx, raw_table, run_chain, warm_cache_rest, write_raw
+from helpers import damaged_rows, make_ctx, raw_table, run_chain, warm_cache_rest, write_raw
 
 
 @pytest.mark.integration
@@ -63,17 +63,11 @@ def test_validate_fails_with_summary_of_bad_rows(tmp_path, damage, pattern):
 
 def _damaged_raw(tmp_path: Path) -> tuple[Path, list[int]]:
     """1200 rows, of which rows 3, 5 (NaN), 9 (out of range), 4 (short) and 1 (bad label) are bad."""
-    t = raw_table()
-    rows = [list(r) for r in t["images"]]
-    labels = t["labels"]
-    rows[3][10] = rows[5][0] = float("nan")
-    rows[9][0] = 99.0
-    rows[4] = rows[4][:60]
-    labels[1] = 42
+    rows, labels, bad = damaged_rows()
     raw = tmp_path / "raw" / "part-0.parquet"
     raw.parent.mkdir(parents=True)
     pq.write_table(pa.table({"image": pa.array(rows, type=pa.list_(pa.float32())), "label": pa.array(labels)}), raw)
-    return raw, [1, 3, 4, 5, 9]
+    return raw, bad
 
 
 @pytest.mark.integration

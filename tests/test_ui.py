@@ -10,6 +10,7 @@ import pytest
 from ballast.pipeline.context import safe_run_id
 from ballast.records import Attempt, AttemptHistory, RecoverySummary
 from ballast.storage import FileStorage
+from helpers import headless_chromium
 
 RUN = "manual__2026-12-04T10:00:00+00:00"
 PREFIX = f"runs/ballast_demo/{safe_run_id(RUN)}"
@@ -236,24 +237,6 @@ def test_the_plugin_is_what_airflows_api_accepts():
 # --- the view in the real Airflow UI -----------------------------------------------------------------
 
 
-def _browser():
-    import shutil
-
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.fail("Debian's chromium and chromium-driver are not installed: `make browser` installs them")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1400,2200"):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: CSP violations are logged there
-    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
-
-
 def _get(url: str, token: str | None = None) -> tuple[int, dict | str]:
     import urllib.error
     import urllib.request
@@ -346,7 +329,7 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
         assert _get(f"{base}/ballast/static/stability.js")[0] == 401
         assert _get(f"{base}/ballast/static/../app.py", token)[0] == 404
 
-        browser = _browser()
+        browser = headless_chromium()
         try:
             browser.get(f"{base}/api/v2/monitor/health")  # the origin, to set the UI's cookie on
             browser.add_cookie({"name": "_token", "value": token, "path": "/"})

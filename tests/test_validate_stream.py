@@ -21,7 +21,7 @@ from ballast.data_checks.combine import BatchValidation
 from ballast.errors import DataError
 from ballast.spec import DatasetSpec, FieldSpec
 from ballast.stages import validate
-from helpers import make_ctx, raw_table, write_spec
+from helpers import damaged_rows, make_ctx, write_spec
 
 RULES = [
     {"kind": "row_count", "min": 10},
@@ -290,13 +290,7 @@ def test_validation_of_data_several_times_the_memory_limit_gives_the_small_sampl
 
 @pytest.mark.integration
 def test_spark_validation_gives_the_report_of_the_batches(tmp_path):
-    t = raw_table(1200)
-    rows = [list(r) for r in t["images"]]
-    labels = t["labels"]
-    rows[3][10] = rows[5][0] = float("nan")
-    rows[9][0] = 99.0
-    rows[4] = rows[4][:60]
-    labels[1] = 42
+    rows, labels, _ = damaged_rows(1200)
     raw = tmp_path / "raw"
     raw.mkdir()
     for k, (lo, hi) in enumerate([(0, 500), (500, 1200)]):  # two files: row numbers continue across them

@@ -146,35 +146,6 @@ def test_event_lines_decoded_at_once_read_as_the_contract_reads_each(line):
 # --- the view: the log's last 16 MiB and the history -------------------------------------------------------
 
 
-class _CountingStorage:
-    """A FileStorage whose reads are counted (bytes handed out by open_read)."""
-
-    def __init__(self, inner):
-        self.inner, self.read_bytes = inner, {}
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def open_read(self, key, *args, **kwargs):
-        fh = self.inner.open_read(key, *args, **kwargs)
-        outer = self
-
-        class _Counted:
-            def __enter__(self):
-                fh.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return fh.__exit__(*exc)
-
-            def read(self, n=-1):
-                data = fh.read(n)
-                outer.read_bytes[key] = outer.read_bytes.get(key, 0) + len(data)
-                return data
-
-        return _Counted()
-
-
 def _long_run(tmp_path, steps: int, *, early_anomaly: int, resume: int):
     """A run's train/ directory as the trainer leaves it: the event log (written with the trainer's own
     event lines, the anomaly and resume at its start) and the history fed the same events."""
@@ -206,11 +177,12 @@ def _long_run(tmp_path, steps: int, *, early_anomaly: int, resume: int):
 
 @pytest.mark.unit
 def test_the_view_reads_the_logs_tail_and_the_history_for_the_whole_run(tmp_path, monkeypatch):
+    from ballast.bench.view import CountingStorage
     from ballast.ui import reader, summary
 
     monkeypatch.setattr(reader, "MAX_EVENTS_BYTES", 256 << 10)  # a small bound: the same arithmetic, faster
     storage = _long_run(tmp_path, 20_000, early_anomaly=120, resume=200)
-    counted = _CountingStorage(storage)
+    counted = CountingStorage(storage)
     s = summary.run_summary(counted, DAG, RUN)
     log_key = next(k for k in counted.read_bytes if k.endswith("train/metrics.jsonl"))
     assert counted.read_bytes[log_key] <= 256 << 10 < storage.size(log_key)  # only the tail was read
@@ -237,6 +209,7 @@ def test_the_view_reads_the_logs_tail_and_the_history_for_the_whole_run(tmp_path
 @pytest.mark.unit
 @pytest.mark.parametrize("mib", [20])
 def test_the_reader_reads_at_most_16_mib_of_a_larger_log(tmp_path, mib):
+    from ballast.bench.view import CountingStorage
     from ballast.storage import FileStorage
     from ballast.ui.reader import MAX_EVENTS_BYTES, Reader
 
@@ -245,7 +218,7 @@ def test_the_reader_reads_at_most_16_mib_of_a_larger_log(tmp_path, mib):
     line = '{"event": "step", "time": %d.0, "step": %d, "rank": 0, "loss": 0.5, "version": 1}\n'
     n = (mib << 20) // len(line % (10**9, 10**9)) + 1000
     storage.write_bytes("r/train/metrics.jsonl", "".join(line % (i, i) for i in range(n)).encode())
-    counted = _CountingStorage(storage)
+    counted = CountingStorage(storage)
     events = Reader(counted, "r").jsonl("train/metrics.jsonl")
     assert sum(counted.read_bytes.values()) <= MAX_EVENTS_BYTES
     assert events[-1]["step"] == n - 1 and events[0]["step"] > 0 and len(events) < n
@@ -388,11 +361,13 @@ def test_the_page_draws_a_long_runs_history_band_and_marks_in_a_browser(tmp_path
     thread.start()
     browser = None
     try:
+        from helpers import headless_chromium
+
         deadline = time.monotonic() + 30
         while not server.started:
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.05)
-        browser = _chromium()
+        browser = headless_chromium()
         browser.get(f"http://127.0.0.1:{port}/runs/{BDAG}/{BRUN}")
         WebDriverWait(browser, 60).until(
             lambda b: b.find_element(By.ID, "app").get_attribute("data-state") in ("rendered", "error"))
@@ -412,22 +387,3 @@ def test_the_page_draws_a_long_runs_history_band_and_marks_in_a_browser(tmp_path
             browser.quit()
         server.should_exit = True
         thread.join(10)
-
-
-def _chromium():
-    """Headless Chromium with its console logged (as tests/test_ui.py drives it)."""
-    import shutil
-
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.fail("Debian's chromium and chromium-driver are not installed: `make browser` installs them")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = shutil.which("chromium")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
-                 "--window-size=1400,2200"):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
-

@@ -133,13 +133,8 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
         if min_step is not None and _step_of(path) < min_step:
             log(f"no checkpoint at or after step {min_step} passes the gate; {path.name} and older are behind it")
             return None  # older ones are not damaged, only too old: left where they are
-        try:
-            check(path, probe=probe, min_step=min_step, share=share, probe_sharded=probe_sharded)
-            failure = None
-        except CheckpointFailure as exc:
-            failure = str(exc)
-        if agree is not None:
-            failure = next((f for f in agree(failure) if f), None)
+        failure = agreed_failure(path, share=share, agree=agree, probe=probe, min_step=min_step,
+                                 probe_sharded=probe_sharded)
         if failure is None:
             return path
         if quarantine_failures:
@@ -148,6 +143,20 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
         else:
             log(f"checkpoint skipped: {failure}")
     return None
+
+
+def agreed_failure(path: Path, *, share: tuple[int, int] | None = None,
+                   agree: Callable[[Any], list[Any]] | None = None, **check_options: Any) -> str | None:
+    """Why `path` fails `check` (None: it passes); with `share` and `agree`, this rank's share of the
+    check, and the first failure any rank found (collective: every rank gets the same answer)."""
+    try:
+        check(path, share=share, **check_options)
+        failure = None
+    except CheckpointFailure as exc:
+        failure = str(exc)
+    if agree is not None:
+        failure = next((f for f in agree(failure) if f), None)
+    return failure
 
 
 def quarantined(root: Path) -> list[dict[str, Any]]:

@@ -152,16 +152,9 @@ class CheckpointManager:
 
     def _passes(self, path: Path) -> bool:
         """Whether `path` passes the gate (split between the ranks, which all get the same answer)."""
-        from ballast.training.checkpoint.gate import check
+        from ballast.training.checkpoint.gate import agreed_failure
 
-        split = self._split_gate()
-        try:
-            check(path, share=split.get("share"))
-            failure = None
-        except CheckpointFailure as exc:
-            failure = str(exc)
-        if split:
-            failure = next((f for f in split["agree"](failure) if f), None)
+        failure = agreed_failure(path, **self._split_gate())
         if failure:
             self.log(f"not averaged: {failure}")
         return failure is None

@@ -28,7 +28,7 @@ EARLY_ANOMALY, EARLY_RESUME = 1_200, 2_000
 COLD_RUNS = 3
 
 
-class _CountingStorage:
+class CountingStorage:
     """The run's storage, counting the bytes read through `open_read` per key."""
 
     def __init__(self, inner: Any):
@@ -121,7 +121,7 @@ def _cold_get(storage: Any) -> tuple[float, dict, int, dict]:
 
     from ballast.ui import app as ui
 
-    counting = _CountingStorage(storage)
+    counting = CountingStorage(storage)
     app = ui.create_app(_Catalog(counting))
     app.dependency_overrides[get_user] = lambda: None
     app.dependency_overrides[ui.READ_RUNS.dependency] = lambda: None
