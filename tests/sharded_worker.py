@@ -34,8 +34,8 @@ def main() -> None:
     elif mode == "crash-write":
         make = dcp._hashing_file_system
 
-        def dying(digests):  # rank 1's shard stream ends the process once 64 KiB of it are on disk
-            fs = make(digests)
+        def dying(digests, staging=None):  # rank 1's shard stream ends the process once 64 KiB of it are on disk
+            fs = make(digests, staging)
             real = fs.create_stream
 
             @contextlib.contextmanager
@@ -47,7 +47,7 @@ def main() -> None:
                         def write_then_die(b):
                             n = write(b)
                             if stream.size > 1 << 16:
-                                stream.flush()
+                                stream.writer._drain(stream.writer.pos)  # what is staged, onto the disk
                                 os._exit(17)
                             return n
 
@@ -63,8 +63,8 @@ def main() -> None:
     elif mode == "crash-save":
         write = dcp.write
 
-        def write_then_die(state, directory, *, rank, group):
-            names = write(state, directory, rank=rank, group=group)
+        def write_then_die(state, directory, *, rank, group, **kw):
+            names = write(state, directory, rank=rank, group=group, **kw)
             if rank == 1:
                 os._exit(17)  # killed between its shards and the commit
             return names

@@ -510,6 +510,84 @@ def test_checkpoint_files_written_direct_or_buffered_are_torch_save_bytes(tmp_pa
         assert (seen["unstaged"] > 0) == (refuse is None)  # the aligned tensor skipped the staging buffer
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("refuse", [None, "open"])
+def test_dcp_shards_are_written_direct_and_hashed_as_they_go(tmp_path, monkeypatch, refuse):
+    """checkpoint.dcp.write: DCP's shard file goes through the O_DIRECT writer (a small staging buffer
+    here: many slices, a partial last block), its digest is the sha256 of the bytes on disk, and DCP
+    reads it back; where O_DIRECT is refused, the same through buffered writes."""
+    import os
+    import warnings
+
+    import torch
+
+    from ballast.training.checkpoint import dcp
+    from ballast.training.checkpoint.fileio import sha256_file
+
+    real_open = os.open
+    seen = {"direct": 0}
+
+    def fake_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0) and str(path).endswith(".distcp"):
+            seen["direct"] += 1
+            if refuse == "open":
+                raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    state = {"w": torch.randn(300, 77), "step": torch.arange(7), "m": torch.randn(5000)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "torch.distributed is ... uninitialized" (one process)
+        written = dcp.write(state, tmp_path, rank=0, group=None, staging=ckpt.staging_buffer(1 << 14))
+        monkeypatch.undo()
+        shard = tmp_path / "__0_0.distcp"
+        assert written == {"__0_0.distcp": (sha256_file(shard), shard.stat().st_size), ".metadata": None}
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        import torch.distributed.checkpoint as tdcp
+
+        tdcp.load(back, storage_reader=dcp.reader(tmp_path), no_dist=True)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    if hasattr(os, "O_DIRECT"):
+        assert seen["direct"] == 1
+
+
+@pytest.mark.unit
+def test_a_dcp_shard_write_that_fails_records_no_digest_and_closes_its_file(tmp_path, monkeypatch):
+    import errno
+    import os
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ballast.training.checkpoint import dcp
+
+    real_write = os.write
+    calls = {"n": 0}
+
+    def full_disk(fd, data):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    fds = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "write", full_disk)
+    digests: dict = {}
+    fs = dcp._hashing_file_system(digests, ckpt.staging_buffer(1 << 14))
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(str(tmp_path), single_file_per_rank=True, sync_files=True, thread_count=1)
+    writer.fs = fs
+    import torch.distributed.checkpoint as tdcp
+
+    with warnings.catch_warnings(), pytest.raises((OSError, CheckpointException), match="No space left"):
+        warnings.simplefilter("ignore")
+        tdcp.save({"w": torch.randn(100_000)}, storage_writer=writer, no_dist=True)
+    monkeypatch.undo()
+    assert digests == {} and len(os.listdir("/proc/self/fd")) == fds
+
+
 @pytest.mark.integration
 def test_forked_loader_worker_drops_the_ranks_tcp_sockets():
     # A loader worker holding copies of a rank's gloo sockets kept a SIGKILLed rank's connections open

@@ -16,19 +16,19 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ballast.training.checkpoint.commit import DCP_METADATA
-from ballast.training.checkpoint.fileio import load_tensors
+from ballast.training.checkpoint.fileio import _FileWriter, load_tensors, staging_buffer
 from ballast.training.failure import CheckpointFailure
 
 MODEL, OPTIM = "model", "optim"
 GROUPS_FILE = "optim_groups.json"
 """The optimizer's parameter groups (hyper-parameters and the names of their parameters), as JSON."""
-_HASH_BY_VIEW = 1 << 20  # a written piece this large is hashed from the memory it was written from
 _CHECK_BYTES = 64 << 20  # the gate reads tensors in batches of about this size (one larger tensor alone)
 _SAFE_MODULES = ("torch.distributed.checkpoint.",)
 _SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
@@ -59,72 +59,89 @@ def groups_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: plain(v) for k, v in g.items()} for g in groups]
 
 
-def write(state: dict[str, Any], directory: Path, *, rank: int,
-          group: Any) -> dict[str, tuple[str, int] | None]:
+def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
+          staging: Any = None) -> dict[str, tuple[str, int] | None]:
     """DCP save of `state` into `directory` (collective over `group`): the files this rank wrote (its
     shards; rank 0 also the metadata), each with its sha256 and size where they were hashed as DCP wrote
-    them (the shards: the commit protocol need not read them back), for the manifest."""
+    them (the shards: the commit protocol need not read them back), for the manifest. `staging`: the
+    page-aligned buffer the shards go to disk through (fileio.staging_buffer; the saver reuses one).
+
+    The shards are written the way the commit protocol writes its own files (fileio._FileWriter):
+    O_DIRECT through the staging buffer, each slice hashed while it is in the CPU cache, so a save
+    neither copies ~1 GB into the page cache nor reads it back to hash it. On this project's 2-core
+    machine, 4 processes writing 256 MiB each took 1.2-1.4 s through DCP's buffered files with a sha256
+    beside them and 0.6 s direct, hashed (`ballast bench sharded-checkpoint` measures the whole save
+    against DCP's own). The zip records' CRC32 is skipped (the manifest's sha256 covers every byte;
+    torch.load does not check it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.utils.serialization import config
 
     digests: dict[str, tuple[str, int]] = {}
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
-    writer.fs = _hashing_file_system(digests)
-    dcp.save(state, storage_writer=writer, process_group=group)
+    writer.fs = _hashing_file_system(digests, staging)
+    with config.patch({"save.compute_crc32": False}):
+        dcp.save(state, storage_writer=writer, process_group=group)
     names = sorted(p.name for p in Path(directory).glob(f"__{rank}_*.distcp"))
     return {**{n: digests.get(n) for n in names}, **({DCP_METADATA: None} if rank == 0 else {})}
 
 
-def _hashing_file_system(digests: dict[str, tuple[str, int]]) -> Any:
-    """DCP's local file system whose files opened for writing are hashed as the bytes pass (DCP writes a
-    shard file front to back: tell() is the bytes written); `digests`: file name -> (sha256, size)."""
+class _Stream(io.RawIOBase):
+    """The stream DCP writes a file through (write, tell, fileno for its fsync, close), on a
+    fileio._FileWriter: O_DIRECT from the staging buffer where the filesystem takes it, hashed slice by
+    slice. The last partial block reaches the file at close (zero-padded, then truncated to the size)
+    and is fsynced there; DCP's own fsync before that covers what was written until then."""
+
+    def __init__(self, path: Path, staging: Any) -> None:
+        self.writer = _FileWriter(path, staging)
+        self.done = False
+        self.error: BaseException | None = None  # what a write raised (torch.save reports only its effect)
+
+    @property
+    def size(self) -> int:
+        return self.writer.size
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        try:
+            return self.writer.write(b)
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+
+    def tell(self) -> int:
+        return self.writer.size
+
+    def flush(self) -> None:
+        pass  # whole blocks go out as the staging buffer fills; the rest at close
+
+    def fileno(self) -> int:
+        return self.writer.fd
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.writer.close()  # the tail, the truncation, fsync; the descriptor closed whatever happens
+        super().close()
+
+    def abandon(self) -> None:
+        """Close the descriptor without completing the file (a failed save: the directory is discarded)."""
+        if not self.done:
+            self.done = True
+            os.close(self.writer.fd)
+        super().close()
+
+
+def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = None) -> Any:
+    """DCP's local file system whose files opened for writing go through `_Stream` (O_DIRECT, hashed
+    as the bytes pass); `digests`: file name -> (sha256, size) of each file completed."""
     import contextlib
-    import hashlib
-    import queue
-    import threading
 
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    class Hashing(io.RawIOBase):
-        """Hashes in a thread of its own, beside the writing one (hashlib releases the GIL): a large
-        piece is a view of the tensor's own memory, which does not change until the save returns (the
-        snapshot, or the live state a synchronous save waits on); a small one (zip headers, from the
-        serializer's reused buffers) is copied."""
-
-        def __init__(self, f: Any) -> None:
-            self.f, self.digest, self.size = f, hashlib.sha256(), 0
-            self.pieces: queue.SimpleQueue = queue.SimpleQueue()
-            self.hasher = threading.Thread(target=self._hash, name="dcp-sha256", daemon=True)
-            self.hasher.start()
-
-        def _hash(self) -> None:
-            while (piece := self.pieces.get()) is not None:
-                self.digest.update(piece)
-
-        def hexdigest(self) -> str:
-            self.pieces.put(None)
-            self.hasher.join()
-            return self.digest.hexdigest()
-
-        def writable(self) -> bool:
-            return True
-
-        def write(self, b: Any) -> int:
-            view = memoryview(b).cast("B")
-            self.pieces.put(view if view.nbytes >= _HASH_BY_VIEW else bytes(view))
-            self.f.write(view)  # a buffered file: all of it
-            self.size += view.nbytes
-            return view.nbytes
-
-        def tell(self) -> int:
-            return self.size
-
-        def flush(self) -> None:
-            self.f.flush()
-
-        def fileno(self) -> int:  # DCP fsyncs the file by its descriptor: what is buffered goes first
-            self.f.flush()
-            return self.f.fileno()
+    buffer = staging if staging is not None else staging_buffer()
 
     class HashingFileSystem(FileSystem):
         @contextlib.contextmanager
@@ -133,14 +150,18 @@ def _hashing_file_system(digests: dict[str, tuple[str, int]]) -> Any:
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            with Path(path).open(mode) as f:
-                stream = Hashing(f)
-                try:
-                    yield stream
-                finally:
-                    digest = stream.hexdigest()  # the hasher ends whatever happened
-                f.flush()
-                digests[Path(path).name] = (digest, stream.size)
+            stream = _Stream(Path(path), buffer)
+            try:
+                yield stream
+            except BaseException as exc:
+                stream.abandon()
+                if stream.error is not None and stream.error is not exc:
+                    # torch.save's zip writer turns a failed write into "unexpected pos N vs M": name
+                    # what failed (a full disk, an I/O error) instead
+                    raise stream.error from exc
+                raise
+            stream.close()
+            digests[Path(path).name] = (stream.writer.digest.hexdigest(), stream.size)
 
     return HashingFileSystem()
 

@@ -80,7 +80,8 @@ class CheckpointManager:
         shards = None
         if sharded is not None:
             def shards(directory: Path, state: dict = sharded[0]) -> dict[str, Any]:
-                return dcp.write(state, directory, rank=self.dist.rank, group=self.dist.ckpt_group)
+                return dcp.write(state, directory, rank=self.dist.rank, group=self.dist.ckpt_group,
+                                 staging=self.saver.staging)
         self.saver.save(self.state.step, tensors, jsons, keep=keep, asynchronous=use_async, shards=shards)
         blocked = time.monotonic() - t0
         self.last_save = time.monotonic()

@@ -49,7 +49,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
-        self._staging = staging_buffer()  # one save at a time: the writer's staging buffer is reused
+        self.staging = staging_buffer()  # one save at a time: the writer's staging buffer is reused (DCP's shards too)
         self._verified: dict[Path, tuple] = {}  # what prune has verified (commit.prune's memo)
 
     def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
@@ -89,7 +89,7 @@ class AsyncSaver:
         if self.idle and threading.current_thread() is self._thread:
             _set_policy(0, "SCHED_IDLE")
         try:
-            w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self._staging, **self.writer)
+            w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self.staging, **self.writer)
             w.begin()
             if shards is not None:
                 with GATE:
