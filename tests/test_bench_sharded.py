@@ -18,7 +18,8 @@ def _rank(rank: int, *, own: int, added: list[int], none: list[float], sync: lis
             "memory": {"ballast_async_first": [added[0]], "ballast_sync": [added[1]], "ballast_async": [added[2]],
                        "dcp_save": [1]},
             "stretch_seconds": {"none": none, "sync": sync, "async": asyn},
-            "async_blocked_seconds": [0.01] * len(none), "async_write_done_inside_stretch": [True] * len(none),
+            "async_blocked_seconds": [0.01] * len(none), "sync_blocked_seconds": [0.9] * len(none),
+            "async_write_done_inside_stretch": [True] * len(none),
             "save_seconds": save, "load_seconds": load, "state_equal_after_load": [True, True],
             "gate_seconds": [0.5 + rank / 10] * 3, "gate_found_newest": [True] * 3}
 

@@ -69,9 +69,9 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
     The shards are written the way the commit protocol writes its own files (fileio._FileWriter):
     O_DIRECT through the staging buffer, each slice hashed while it is in the CPU cache, so a save
     neither copies ~1 GB into the page cache nor reads it back to hash it. On this project's 2-core
-    machine, 4 processes writing 256 MiB each took 1.2-1.4 s through DCP's buffered files with a sha256
-    beside them and 0.6 s direct, hashed (`ballast bench sharded-checkpoint` measures the whole save
-    against DCP's own). The zip records' CRC32 is skipped (the manifest's sha256 covers every byte;
+    machine, 4 processes saving 256 MiB each through DCP took 1.2-1.4 s with buffered files and a sha256
+    thread beside them (~0.3 s of kernel time each), 0.7 s direct and hashed (~0.02 s), 0.5-1.0 s for
+    DCP's own unhashed save (`ballast bench sharded-checkpoint` measures the whole save against it). The zip records' CRC32 is skipped (the manifest's sha256 covers every byte;
     torch.load does not check it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter

@@ -40,8 +40,13 @@ per-save working memory of DCP's planner and of the allocator (its free lists; m
 model, whose shard is a few MiB, at ~20-40 MiB)."""
 
 FULL = {"world": 4, "layers": 6, "width": 1024, "heads": 16, "vocab": 14_000, "seq_len": 32, "batch": 1,
-        "warmup_steps": 2, "stretch_steps": 8, "repeats": 3, "io_repeats": 5}
-"""~89.6M parameters: 6 blocks of 12.6M and a 14.3M tied embedding; x3 fp32 = ~1.0 GiB of state."""
+        "warmup_steps": 2, "stretch_steps": 4, "repeats": 6, "io_repeats": 8}
+"""~89.6M parameters: 6 blocks of 12.6M and a 14.3M tied embedding; x3 fp32 = ~1.0 GiB of state. A step
+takes ~4 s on the 2-core machine (4 ranks; most of it gloo's all-gathers through the kernel), so a
+stretch is 4 steps: adjacent stretches share the machine's slow drift, which 8-step ones (~35 s) did
+not (their differences varied by +-2 s against a ~1 s save). `repeats` is a multiple of 3 (every order
+of the three modes as often) and `io_repeats` even (Ballast and DCP each go first as often: the first
+load after a dropped page cache ran up to 2x slower than the second)."""
 SMALL = {"world": 2, "layers": 2, "width": 64, "heads": 4, "vocab": 512, "seq_len": 16, "batch": 2,
          "warmup_steps": 1, "stretch_steps": 4, "repeats": 1, "io_repeats": 1}
 
@@ -154,6 +159,7 @@ def _report(ranks: list[dict[str, Any]], opts: dict[str, Any], *, world: int, de
         "stretch_seconds": {k: [round(x, 4) for x in v] for k, v in stretch.items()},
         "lost_seconds": {"sync": [round(x, 4) for x in lost_sync], "async": [round(x, 4) for x in lost_async]},
         "async_blocked_seconds": [round(max(v), 4) for v in zip(*(r["async_blocked_seconds"] for r in ranks))],
+        "sync_blocked_seconds": [round(max(v), 4) for v in zip(*(r["sync_blocked_seconds"] for r in ranks))],
         "async_write_done_inside_stretch": [all(v) for v in zip(*(r["async_write_done_inside_stretch"] for r in ranks))],
         "save_seconds": {k: [round(x, 4) for x in v] for k, v in save.items()},
         "load_seconds": {k: [round(x, 4) for x in v] for k, v in load.items()},

@@ -150,7 +150,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": rank, "own_shard_bytes": own, "rss_before_first_save": _rss(),
                               "parameters": sum(p.numel() for p in model.parameters()),
                               "memory": {}, "stretch_seconds": {"none": [], "sync": [], "async": []},
-                              "async_blocked_seconds": [], "async_write_done_inside_stretch": [],
+                              "async_blocked_seconds": [], "sync_blocked_seconds": [], "async_write_done_inside_stretch": [],
                               "save_seconds": {"ballast": [], "dcp": []}, "load_seconds": {"ballast": [], "dcp": []},
                               "gate_seconds": [], "gate_found_newest": [],
                               "state_equal_after_load": []}
@@ -205,8 +205,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
                     if i == middle and mode != "none":
                         t0 = time.perf_counter()
                         manager.save("bench", asynchronous=mode == "async")
-                        if mode == "async":
-                            result["async_blocked_seconds"].append(time.perf_counter() - t0)
+                        result[f"{mode}_blocked_seconds"].append(time.perf_counter() - t0)
                     step()
                 if mode == "async":
                     thread = manager.saver._thread
