@@ -45,8 +45,9 @@ FULL = {"world": 4, "layers": 6, "width": 1024, "heads": 16, "vocab": 14_000, "s
 takes ~4 s on the 2-core machine (4 ranks; most of it gloo's all-gathers through the kernel), so a
 stretch is 4 steps: adjacent stretches share the machine's slow drift, which 8-step ones (~35 s) did
 not (their differences varied by +-2 s against a ~1 s save). `repeats` is a multiple of 3 (every order
-of the three modes as often) and `io_repeats` even (Ballast and DCP each go first as often: the first
-load after a dropped page cache ran up to 2x slower than the second)."""
+of the three modes as often) and `io_repeats` a multiple of 4 (Ballast and DCP each save first and load
+first as often, in every combination: the first load after Ballast's save and pruning ran up to 2x
+slower than the second, whichever kind it was)."""
 SMALL = {"world": 2, "layers": 2, "width": 64, "heads": 4, "vocab": 512, "seq_len": 16, "batch": 2,
          "warmup_steps": 1, "stretch_steps": 4, "repeats": 1, "io_repeats": 1}
 
