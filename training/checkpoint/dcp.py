@@ -71,8 +71,9 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
     neither copies ~1 GB into the page cache nor reads it back to hash it. On this project's 2-core
     machine, 4 processes saving 256 MiB each through DCP took 1.2-1.4 s with buffered files and a sha256
     thread beside them (~0.3 s of kernel time each), 0.7 s direct and hashed (~0.02 s), 0.5-1.0 s for
-    DCP's own unhashed save (`ballast bench sharded-checkpoint` measures the whole save against it). The zip records' CRC32 is skipped (the manifest's sha256 covers every byte;
-    torch.load does not check it)."""
+    DCP's own unhashed save (`ballast bench sharded-checkpoint` measures the whole save against it).
+    The zip records' CRC32 is skipped (the manifest's sha256 covers every byte; torch.load does not
+    check it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.utils.serialization import config
