@@ -47,7 +47,7 @@ def main() -> None:
                         def write_then_die(b):
                             n = write(b)
                             if stream.size > 1 << 16:
-                                stream.writer._drain(stream.writer.pos)  # what is staged, onto the disk
+                                stream._drain(stream.pos)  # what is staged, onto the disk
                                 os._exit(17)
                             return n
 

@@ -255,7 +255,7 @@ class Writer:
         try:
             yield out
         except BaseException:
-            os.close(out.fd)
+            out.abandon()
             raise
         out.close()
         (self.tmp / f".{name}.sha256").write_text(f"{out.digest.hexdigest()} {out.size}\n")

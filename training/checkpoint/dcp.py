@@ -16,7 +16,6 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,57 +86,10 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
     return {**{n: digests.get(n) for n in names}, **({DCP_METADATA: None} if rank == 0 else {})}
 
 
-class _Stream(io.RawIOBase):
-    """The stream DCP writes a file through (write, tell, fileno for its fsync, close), on a
-    fileio._FileWriter: O_DIRECT from the staging buffer where the filesystem takes it, hashed slice by
-    slice. The last partial block reaches the file at close (zero-padded, then truncated to the size)
-    and is fsynced there; DCP's own fsync before that covers what was written until then."""
-
-    def __init__(self, path: Path, staging: Any) -> None:
-        self.writer = _FileWriter(path, staging)
-        self.done = False
-        self.error: BaseException | None = None  # what a write raised (torch.save reports only its effect)
-
-    @property
-    def size(self) -> int:
-        return self.writer.size
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        try:
-            return self.writer.write(b)
-        except BaseException as exc:
-            self.error = self.error or exc
-            raise
-
-    def tell(self) -> int:
-        return self.writer.size
-
-    def flush(self) -> None:
-        pass  # whole blocks go out as the staging buffer fills; the rest at close
-
-    def fileno(self) -> int:
-        return self.writer.fd
-
-    def close(self) -> None:
-        if not self.done:
-            self.done = True
-            self.writer.close()  # the tail, the truncation, fsync; the descriptor closed whatever happens
-        super().close()
-
-    def abandon(self) -> None:
-        """Close the descriptor without completing the file (a failed save: the directory is discarded)."""
-        if not self.done:
-            self.done = True
-            os.close(self.writer.fd)
-        super().close()
-
-
 def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = None) -> Any:
-    """DCP's local file system whose files opened for writing go through `_Stream` (O_DIRECT, hashed
-    as the bytes pass); `digests`: file name -> (sha256, size) of each file completed."""
+    """DCP's local file system whose files opened for writing are fileio._FileWriter streams (O_DIRECT
+    from the staging buffer, hashed as the bytes pass; the last partial block written and fsynced at
+    close); `digests`: file name -> (sha256, size) of each file completed."""
     import contextlib
 
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -151,7 +103,7 @@ def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = Non
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            stream = _Stream(Path(path), buffer)
+            stream = _FileWriter(Path(path), buffer)
             try:
                 yield stream
             except BaseException as exc:
@@ -161,8 +113,8 @@ def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = Non
                     # what failed (a full disk, an I/O error) instead
                     raise stream.error from exc
                 raise
-            stream.close()
-            digests[Path(path).name] = (stream.writer.digest.hexdigest(), stream.size)
+            stream.close()  # done by DCP already, after its fsync
+            digests[Path(path).name] = (stream.digest.hexdigest(), stream.size)
 
     return HashingFileSystem()
 

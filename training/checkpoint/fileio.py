@@ -54,7 +54,8 @@ class _FileWriter:
     whose record starts on a block boundary in the file (`Writer.write_tensors` aligns records to
     4096) skips the staging copy: its blocks go from the snapshot to the disk. Where O_DIRECT is
     refused (tmpfs, some network filesystems, macOS) the same slices go through ordinary buffered
-    writes. The file is fsynced at close.
+    writes. The file is fsynced at close. It is also the stream DCP writes a shard through
+    (`checkpoint.dcp`: write, tell, fileno for DCP's own fsync, close, which DCP calls itself).
     """
 
     BLOCK = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
@@ -73,8 +74,23 @@ class _FileWriter:
                 pass
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
+        self.closed = False
+        self.error: BaseException | None = None  # what a write raised (torch.save reports only its effect)
 
     def write(self, data) -> int:
+        try:
+            return self._write(data)
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+
+    def tell(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def _write(self, data) -> int:
         src = memoryview(data).cast("B")
         n, at = src.nbytes, 0
         if self.direct and n >= len(self.view) and (self.written + self.pos) % self.BLOCK == 0 \
@@ -126,7 +142,17 @@ class _FileWriter:
             out = out[done:]
             self.written += done
 
+    def abandon(self) -> None:
+        """Close the descriptor without completing the file (a failed save: the directory is discarded)."""
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+
     def close(self) -> None:
+        """The last slice, the truncation, fsync; the descriptor is closed whatever happens. Once."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             if self.pos:
                 self._drain(self.pos)

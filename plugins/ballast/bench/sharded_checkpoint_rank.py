@@ -150,7 +150,8 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": rank, "own_shard_bytes": own, "rss_before_first_save": _rss(),
                               "parameters": sum(p.numel() for p in model.parameters()),
                               "memory": {}, "stretch_seconds": {"none": [], "sync": [], "async": []},
-                              "async_blocked_seconds": [], "sync_blocked_seconds": [], "async_write_done_inside_stretch": [],
+                              "async_blocked_seconds": [], "sync_blocked_seconds": [],
+                              "async_write_done_inside_stretch": [],
                               "save_seconds": {"ballast": [], "dcp": []}, "load_seconds": {"ballast": [], "dcp": []},
                               "gate_seconds": [], "gate_found_newest": [],
                               "state_equal_after_load": []}
