@@ -7,7 +7,8 @@ through derived columns computed once with numpy: `<col>__len`, `<col>__min`, `<
 `<col>__finite`, so GX never iterates Python objects row by row. Text columns (a language model's
 documents) likewise: `<col>__len` (characters; null for a null value) and `<col>__dup` (the row repeats
 an earlier row's text), which `text_length` (row-level) and `duplicate_share` (table-level: the mean of
-`__dup`) check; the documents themselves never reach GX.
+`__dup`) check; the documents themselves never reach GX. Validated in batches, `__dup`'s mean is counted
+at the end from each document's 128-bit digest (`combine.Duplicates`), in bounded memory.
 """
 
 from __future__ import annotations

@@ -10,13 +10,16 @@ judges the combined metrics, so `mostly` is judged on the totals and the results
 format; one suite result is stored and GX renders the Data Docs site from it.
 
 Memory is bounded by one batch plus the aggregates: a counter per balance column (one entry per
-distinct value), one entry per distinct value of a `unique` column, and the failing rows' indices.
+distinct value), the failing rows' indices, and per `unique` column and text column with a
+`duplicate_share` rule a bounded buffer of values (`repeats.Repeats`: past its budget the values go to
+hash partitions on disk, each judged on its own at the end).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from ballast.data_checks import Report, expectations_for, report_of
@@ -29,7 +32,7 @@ class BatchValidation:
 
     def __init__(self, rules: list[dict], *, array_columns: dict[str, int], text_columns: Iterable[str] = (),
                  name: str = "ballast", row_indices: bool = False, context: Any = None,
-                 batch_definition: Any = None) -> None:
+                 batch_definition: Any = None, spill_dir: Path | None = None) -> None:
         import great_expectations as gx
         from ballast.data_checks import gx_context, pandas_batch_definition
 
@@ -57,7 +60,7 @@ class BatchValidation:
         self.meta: dict | None = None
         self.batch_id: str | None = None
         self.partial: dict[int, RowLevel] = {i: RowLevel() for i in self.row_level}
-        self.aggregates = Aggregates(self.expectations, self.row_level)
+        self.aggregates = Aggregates(self.expectations, self.row_level, texts, spill_dir=spill_dir)
 
     def add(self, frame: Any, offset: int) -> None:
         """Validate one batch whose first row is global row `offset`."""
@@ -159,21 +162,26 @@ class RowLevel:
 class Aggregates:
     """What the table-level expectations need, accumulated batch by batch."""
 
-    def __init__(self, expectations: list[Any], row_level: list[int]) -> None:
+    def __init__(self, expectations: list[Any], row_level: list[int], texts: Iterable[str] = (),
+                 spill_dir: Path | None = None) -> None:
         import great_expectations.expectations as gxe
 
         self.counts: dict[str, Counter] = {}      # balance: value -> rows, per column
         self.unique: dict[str, Unique] = {}
+        self.duplicates: dict[str, Duplicates] = {}  # <text>__dup -> its repeats
         self.means: dict[str, list[float]] = {}   # column -> [sum, rows]
+        dup_columns = {f"{t}__dup": t for t in texts}
         for i, e in enumerate(expectations):
             if i in row_level:
                 continue
             col = getattr(e, "column", None)
             if isinstance(e, gxe.ExpectColumnValuesToBeUnique):
-                self.unique[col] = Unique()
+                self.unique[col] = Unique(spill_dir)
             elif isinstance(e, (gxe.ExpectColumnMinToBeBetween, gxe.ExpectColumnMaxToBeBetween)) and \
                     col.endswith("__share"):
                 self.counts[col[:-len("__share")]] = Counter()
+            elif isinstance(e, gxe.ExpectColumnMeanToBeBetween) and col in dup_columns:
+                self.duplicates[col] = Duplicates(dup_columns[col], spill_dir)
             elif isinstance(e, gxe.ExpectColumnMeanToBeBetween):
                 self.means[col] = [0.0, 0]
 
@@ -184,6 +192,8 @@ class Aggregates:
         for col, u in self.unique.items():
             if col in frame:
                 u.add(frame[col])
+        for dup in self.duplicates.values():
+            dup.add(frame)
         for col, acc in self.means.items():
             if col in frame:
                 s = frame[col].dropna()
@@ -205,6 +215,8 @@ class Aggregates:
             return {"table.columns": columns}
         if isinstance(exp, gxe.ExpectColumnValuesToBeUnique):
             return self.unique[col].metrics(exp, rows)
+        if isinstance(exp, gxe.ExpectColumnMeanToBeBetween) and col in self.duplicates:
+            return {"column.mean": self.duplicates[col].mean(rows)}
         if isinstance(exp, gxe.ExpectColumnMeanToBeBetween):
             total, n = self.means[col]
             return {"column.mean": total / n if n else None}
@@ -216,32 +228,54 @@ class Aggregates:
 
 
 class Unique:
-    """Values seen so far (each with its first row) and the rows whose value occurs more than once:
-    every occurrence fails, the first one too, as GX marks them."""
+    """The rows whose value occurs more than once across every batch (`repeats.Repeats`, in bounded
+    memory): every occurrence fails, the first one too, as GX marks them."""
 
-    def __init__(self) -> None:
-        self.first: dict[Any, int] = {}
-        self.flagged: set[Any] = set()
-        self.bad: dict[int, Any] = {}
+    def __init__(self, spill_dir: Path | None = None) -> None:
+        from ballast.data_checks.repeats import Repeats
+
+        self.repeats = Repeats(("value",), rows=True, examples=PARTIAL, directory=spill_dir)
         self.nulls = 0
 
     def add(self, column: Any) -> None:
+        import numpy as np
+        import pandas as pd
+
         values = column.dropna()
         self.nulls += len(column) - len(values)
-        for row, value in zip(values.index.tolist(), values.tolist()):
-            seen = self.first.setdefault(value, row)
-            if seen != row:
-                if value not in self.flagged:
-                    self.flagged.add(value)
-                    self.bad[seen] = value
-                self.bad[row] = value
+        self.repeats.add(pd.DataFrame({"value": values.to_numpy(), "_row": values.index.to_numpy(dtype=np.int64)}))
 
     def metrics(self, exp: Any, rows: int) -> dict:
         m = exp.map_metric
-        order = sorted(self.bad)
+        found = self.repeats.finish()
         return {"table.row_count": rows, "column_values.nonnull.unexpected_count": self.nulls,
-                f"{m}.unexpected_count": len(order), f"{m}.unexpected_values": [self.bad[i] for i in order[:PARTIAL]],
-                f"{m}.unexpected_index_list": order}
+                f"{m}.unexpected_count": len(found.rows), f"{m}.unexpected_values": found.examples,
+                f"{m}.unexpected_index_list": found.rows.tolist()}
+
+
+class Duplicates:
+    """A text column's rows that repeat an earlier row's document, counted from the documents' 128-bit
+    digests (`<col>__digest_hi`, `__digest_lo`) in bounded memory: `duplicate_share`'s mean of `<col>__dup`."""
+
+    def __init__(self, text: str, spill_dir: Path | None = None) -> None:
+        from ballast.data_checks.repeats import Repeats
+
+        self.hi, self.lo = f"{text}__digest_hi", f"{text}__digest_lo"
+        self.repeats = Repeats((self.hi, self.lo), rows=False, directory=spill_dir)
+
+    def add(self, frame: Any) -> None:
+        import numpy as np
+        import pandas as pd
+
+        if self.hi not in frame:
+            return
+        keep = frame[self.hi].notna().to_numpy()
+        rows = frame.index.to_numpy(dtype=np.int64)[keep]
+        self.repeats.add(pd.DataFrame({k: frame[k].to_numpy(dtype=np.uint64, na_value=0)[keep]
+                                       for k in (self.hi, self.lo)} | {"_row": rows}))
+
+    def mean(self, rows: int) -> float | None:
+        return self.repeats.finish().repeats / rows if rows else None
 
 
 def publish(context: Any, suite: Any, result: Any, batch_id: str | None) -> Any:

@@ -17,6 +17,7 @@ import pytest
 from ballast import data_checks
 from ballast.data.raw import array_values, check_frame, text_batch_stats
 from ballast.data.validate_batches import batch_rows_of, batches, rows_at
+from ballast.data_checks import repeats
 from ballast.data_checks.combine import BatchValidation
 from ballast.errors import DataError
 from ballast.spec import DatasetSpec, FieldSpec
@@ -140,12 +141,13 @@ def test_array_values_keep_their_dtype_and_reduce_per_row():
 
 
 @pytest.mark.unit
-def test_duplicate_texts_are_found_across_batches():
-    seen: set[bytes] = set()
-    lengths, dup = text_batch_stats(pa.array(["a", "bb", None, "a"]), seen)
-    assert dup.tolist() == [False, False, False, True] and np.isnan(lengths[2]) and lengths[1] == 2
-    _, dup = text_batch_stats(pa.array(["bb", "c", None]), seen)
-    assert dup.tolist() == [True, False, False]
+def test_texts_become_their_length_and_digest_never_the_document():
+    lengths, hi, lo = text_batch_stats(pa.array(["a", "bb", None, "a"]))
+    assert np.isnan(lengths[2]) and lengths.tolist()[:2] == [1, 2] and lengths[3] == 1
+    assert hi.isna().tolist() == lo.isna().tolist() == [False, False, True, False]
+    assert (hi[0], lo[0]) == (hi[3], lo[3]) and (hi[0], lo[0]) != (hi[1], lo[1])
+    _, hi2, lo2 = text_batch_stats(pa.array(["bb"]))
+    assert (hi2[0], lo2[0]) == (hi[1], lo[1]), "the same text digests the same in every batch"
 
 
 def _write(path: Path, n: int, first: int, row_group: int) -> Path:
@@ -170,6 +172,83 @@ def test_batches_are_bounded_in_rows_and_bytes_and_rows_read_back_by_number(tmp_
     back = rows_at(files, ds, rows, max_rows=8)
     assert back.column("label").to_pylist() == [r % 3 for r in rows.tolist()]
     assert [v[0] for v in back.column("image").to_pylist()] == [r % 256 for r in rows.tolist()]
+
+
+def _repeats_by_dict(values: list) -> tuple[int, list[int], list]:
+    """What a dict of every value seen gives: rows repeating an earlier value, rows whose value occurs
+    more than once, and the first five of those rows' values."""
+    first: dict = {}
+    bad: dict[int, object] = {}
+    count = 0
+    for row, v in enumerate(values):
+        seen = first.setdefault(v, row)
+        if seen != row:
+            count += 1
+            bad[seen], bad[row] = values[seen], v
+    order = sorted(bad)
+    return count, order, [bad[i] for i in order[:5]]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["int", "str", "float", "hot", "pair"])
+def test_repeats_past_the_budget_go_to_disk_and_give_what_memory_gives(kind, tmp_path, monkeypatch):
+    rng = np.random.default_rng(7)
+    n = 60_000
+    draw = rng.integers(0, 2 * n, n)
+    values = {"int": draw.tolist(), "str": [f"id-{x}" for x in draw], "float": (draw / 7.0).tolist(),
+              "hot": rng.integers(0, 3, n).tolist(), "pair": [(int(x) % 5, int(x) // 5) for x in draw]}[kind]
+    if kind == "float":
+        values[3], values[9] = -0.0, 0.0  # one value: repeated
+    keys = ("a", "b") if kind == "pair" else ("v",)
+    monkeypatch.setattr(repeats.tempfile, "tempdir", str(tmp_path))
+    found = {}
+    for budget in (1 << 30, 40_000):  # all in memory; spilled, partitions split again, hot values streamed
+        r = repeats.Repeats(keys, rows=True, examples=5, budget=budget, partitions=8)
+        for lo in range(0, n, 4096):
+            part = values[lo:lo + 4096]
+            cols = {"a": [a for a, _ in part], "b": [b for _, b in part]} if kind == "pair" else {"v": part}
+            r.add(pd.DataFrame({**cols, "_row": np.arange(lo, lo + len(part))}))
+            assert r.held_bytes <= budget
+        assert r.spilled == (budget < 1 << 30) and (not r.spilled or any(tmp_path.iterdir()))
+        got = r.finish()
+        assert not any(tmp_path.iterdir()), "what went to disk is removed"
+        found[budget] = (got.repeats, got.rows.tolist(), got.examples)
+        assert r.finish() is r.finish(), "asked again, the same answer"
+    want = _repeats_by_dict(values)
+    assert found[1 << 30] == found[40_000] == want
+    assert want[0] > 1000
+
+
+@pytest.mark.unit
+def test_a_validation_that_stops_early_leaves_nothing_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(repeats.tempfile, "tempdir", str(tmp_path))
+    r = repeats.Repeats(("v",), rows=False, budget=1000)
+    r.add(pd.DataFrame({"v": np.arange(1000), "_row": np.arange(1000)}))
+    assert r.spilled and any(tmp_path.iterdir())
+    del r
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.unit
+def test_duplicate_share_counts_documents_repeated_across_batches(monkeypatch):
+    ds = DatasetSpec(location="x", fields=(FieldSpec(name="text", type="string"),), text="text")
+    docs = [f"doc {i % 80}" if i % 10 else None for i in range(200)]  # 180 texts, 72 distinct: 108 repeat
+    rule = [{"kind": "duplicate_share", "column": "text", "max": 0.4}]
+
+    def validate(budget: int | None) -> data_checks.Report:
+        monkeypatch.setattr(repeats, "BUDGET", budget or repeats.BUDGET)
+        checker = BatchValidation(rule, array_columns={}, text_columns=["text"], name="t")
+        for lo in range(0, 200, 30):
+            frame, _ = check_frame(pa.table({"text": pa.array(docs[lo:lo + 30], pa.string())}), ds)
+            checker.add(frame, lo)
+        return checker.finish()
+
+    report = validate(None)
+    (failure,) = report.failures
+    texts = [d for d in docs if d is not None]
+    assert (len(texts) - len(set(texts))) / len(docs) == 0.54
+    assert failure.column == "text__dup" and "observed 0.54," in failure.line(), failure.line()
+    assert [f.line() for f in validate(64).failures] == [failure.line()], "spilled to disk: the same share"
 
 
 # --- the stage in a child process, under an address-space limit it could not read the data whole in -------
@@ -284,6 +363,94 @@ def test_validation_of_data_several_times_the_memory_limit_gives_the_small_sampl
         line.replace(", e.g. [255.0]", ", e.g. [255.0, 255.0, 255.0, 255.0, 255.0]")
             .replace(", e.g. [42]", ", e.g. [42, 42, 42, 42, 42]") for line in scaled]
     assert big["docs"] and small["docs"]
+
+
+REPEATS_CHILD = r'''
+import json, os, resource, sys
+os.environ["GX_ANALYTICS_ENABLED"] = "False"
+import yaml
+from ballast.data_checks import repeats
+from ballast.errors import DataError
+from ballast.pipeline.context import RunContext
+from ballast.spec import parse_spec
+from ballast.stages import validate
+
+def vm(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+def run(spec_file):
+    ctx = RunContext(spec=parse_spec(yaml.safe_load(open(spec_file))), dag_id="ballast_ids", run_id="manual__1")
+    try:
+        return {"rows": validate.run(ctx).rows}
+    except DataError as exc:
+        return {"error": str(exc)}
+
+repeats.BUDGET = 8 << 20                         # what each column holds before its values go to disk
+spec_small, spec_big, margin, rows = sys.argv[1:5]
+small = run(spec_small)
+limit = vm("VmPeak") + int(margin)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+big = run(spec_big)
+try:                                             # a dict of every id seen, as validation kept before
+    seen = {i: i for i in range(int(rows))}
+    whole = "fits"
+except MemoryError:
+    whole = "MemoryError"
+print(json.dumps({"small": small, "big": big, "whole": whole}))
+'''
+
+
+def _ids_and_documents(path: Path, n: int) -> None:
+    """n rows of a unique id but three (rows 5, n/2 and n-1 hold id 5) and a document each, every 50th
+    repeating the one 49 rows before it (2% of the rows repeat an earlier one)."""
+    ids = np.arange(n)
+    ids[[n // 2, n - 1]] = 5
+    texts = [f"document {i - 49 if i % 50 == 49 else i}" for i in range(n)]
+    path.mkdir(parents=True)
+    pq.write_table(pa.table({"id": ids, "text": pa.array(texts, pa.string())}), path / "part-000.parquet",
+                   row_group_size=65536)
+
+
+@pytest.mark.integration
+def test_unique_ids_and_repeated_documents_are_found_past_the_memory_limit(tmp_path):
+    from datasets import text_edit
+
+    small_n, big_n, margin = 10_000, 3_000_000, 128 << 20  # a dict of 3M ids alone is ~230 MB
+
+    def spec(name: str, raw: Path) -> Path:
+        def edit(d):
+            text_edit(raw, rules=[{"kind": "unique", "column": "id"},
+                                  {"kind": "duplicate_share", "field": "text", "max": 0.01}])(d)
+            d["dataset"]["fields"] = [{"name": "id", "type": "int64"}, {"name": "text", "type": "string"}]
+            d["storage"]["uri"] = str(tmp_path / name / "storage")
+            d["cache"]["directory"] = str(tmp_path / name / "cache")
+            d["conversion"]["read_batch_rows"] = 65536
+        return write_spec(tmp_path / f"{name}.yaml", edit)
+
+    _ids_and_documents(tmp_path / "small", small_n)
+    _ids_and_documents(tmp_path / "big", big_n)
+    script = tmp_path / "child.py"
+    script.write_text(REPEATS_CHILD)
+    env = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "ARROW_DEFAULT_MEMORY_POOL": "system",
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BALLAST_HOME": str(tmp_path / "home"),
+           "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(script), str(spec("small", tmp_path / "small")),
+                           str(spec("big", tmp_path / "big")), str(margin), str(big_n)],
+                          check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["whole"] == "MemoryError", "a dict of every id must not fit under the limit"
+    for got, n in ((out["small"], small_n), (out["big"], big_n)):
+        error = got.get("error", "")
+        assert f"expectations failed on {n} rows" in error, got
+        assert ("expect_column_values_to_be_unique on id: expected every row passing, 3 rows, e.g. [5, 5, 5]"
+                in error), error
+        assert "expect_column_mean_to_be_between on text__dup: observed 0.02," in error, error
+    spill = tmp_path / "home" / "tmp"  # under the Ballast home, not $TMPDIR (often RAM-backed)
+    assert spill.is_dir() and not any(spill.iterdir()), "what went to disk is removed"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("ballast-repeats-")]
 
 
 # --- on Spark ------------------------------------------------------------------------------------------------

@@ -102,10 +102,10 @@ def array_values(table: Any, f: FieldSpec) -> tuple[Any, Any]:
     return pc.list_flatten(col).to_numpy(zero_copy_only=False), lengths
 
 
-def check_frame(table: Any, dataset: DatasetSpec, text: tuple[Any, Any] | None = None) -> tuple[Any, dict[str, int]]:
+def check_frame(table: Any, dataset: DatasetSpec) -> tuple[Any, dict[str, int]]:
     """A pandas frame for validation (of one batch): scalar columns as they are, array columns as derived
     columns (per-row min/max as float64, reduced from the values in their own dtype), the text column as its
-    derived columns (`text`: text_batch_stats's, with the digests of earlier batches)."""
+    derived columns (text_batch_stats's length and digest)."""
     import numpy as np
     import pandas as pd
 
@@ -113,8 +113,8 @@ def check_frame(table: Any, dataset: DatasetSpec, text: tuple[Any, Any] | None =
     arrays: dict[str, int] = {}
     for f in dataset.fields:
         if f.name == dataset.text:
-            lengths, dup = text if text is not None else text_batch_stats(table.column(f.name), set())
-            data[f"{f.name}__len"], data[f"{f.name}__dup"] = lengths, dup
+            data[f"{f.name}__len"], data[f"{f.name}__digest_hi"], data[f"{f.name}__digest_lo"] = \
+                text_batch_stats(table.column(f.name))
             continue
         if not f.shape:
             data[f.name] = table.column(f.name).to_pandas()
@@ -145,22 +145,22 @@ def check_frame(table: Any, dataset: DatasetSpec, text: tuple[Any, Any] | None =
     return pd.DataFrame(data), arrays
 
 
-def text_batch_stats(column: Any, seen: set[bytes]) -> tuple[Any, Any]:
-    """Per row of a batch of a text column: its length in characters (NaN for null) and whether it repeats
-    the text of an earlier row, of this batch or of one before (`seen`: 16-byte BLAKE2b digests of the
-    texts so far, updated; the documents themselves are not kept)."""
+def text_batch_stats(column: Any) -> tuple[Any, Any, Any]:
+    """Per row of a batch of a text column: its length in characters (NaN for null) and the two halves of
+    its 128-bit BLAKE2b digest (nullable UInt64: NA for null), from which validation counts the rows that
+    repeat an earlier row's text (`data_checks.combine.Duplicates`); the documents themselves are not kept."""
     import hashlib
 
     import numpy as np
+    import pandas as pd
     import pyarrow.compute as pc
 
     col = column.combine_chunks() if hasattr(column, "combine_chunks") else column
     lengths = pc.utf8_length(col).to_numpy(zero_copy_only=False).astype(np.float64)
-    dup = np.zeros(len(col), dtype=bool)
-    for i, text in enumerate(col.to_pylist()):
-        if text is None:
-            continue
-        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
-        dup[i] = digest in seen
-        seen.add(digest)
-    return lengths, dup
+    texts = col.to_pylist()
+    digests = b"".join(hashlib.blake2b(b"" if t is None else t.encode("utf-8"), digest_size=16).digest()
+                       for t in texts)
+    halves = np.frombuffer(digests, dtype="<u8").reshape(-1, 2) if texts else np.zeros((0, 2), np.uint64)
+    null = np.array([t is None for t in texts], dtype=bool)
+    return (lengths, pd.arrays.IntegerArray(halves[:, 0].copy(), null.copy()).astype("UInt64"),
+            pd.arrays.IntegerArray(halves[:, 1].copy(), null).astype("UInt64"))

@@ -4,7 +4,7 @@ Batches are read with `ParquetFile.iter_batches`, in file order, at most `max_ro
 `max_bytes` of decoded data each (the row size is estimated from the Parquet footer's uncompressed
 column sizes). Each batch becomes a frame of scalar and derived columns (`raw.check_frame`: array
 values reduced per row in their own dtype, never widened to float64; a text column's length and
-whether it repeats an earlier document, by a set of 16-byte digests that spans the batches).
+128-bit digest, from which validation counts the documents repeated across batches in bounded memory).
 Quarantined rows are read back the same way, by their global row number.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ballast.data.raw import check_frame, check_schema, text_batch_stats
+from ballast.data.raw import check_frame, check_schema
 from ballast.errors import DataError
 from ballast.spec import DatasetSpec
 
@@ -90,11 +90,8 @@ def batches(paths: list[Path], dataset: DatasetSpec, *, columns: list[str] | Non
 def frames(paths: list[Path], dataset: DatasetSpec, *, max_rows: int = BATCH_ROWS,
            max_bytes: int = BATCH_BYTES) -> Iterator[tuple[int, Any]]:
     """(offset, pandas frame of validation columns) per batch: raw.check_frame of each batch."""
-    text = dataset.text
-    seen: set[bytes] = set()
     for offset, table in batches(paths, dataset, max_rows=max_rows, max_bytes=max_bytes):
-        stats = text_batch_stats(table.column(text), seen) if text else None
-        frame, _ = check_frame(table, dataset, stats)
+        frame, _ = check_frame(table, dataset)
         yield offset, frame
 
 

@@ -20,6 +20,7 @@ from ballast.pipeline.context import RunContext
 from ballast.records import Quarantine, ValidateResult
 from ballast.spec import RuleSpec
 from ballast.spec.validation import TEXT_RULES
+from ballast.storage import ballast_home
 
 
 def rules_for(ctx: RunContext) -> list[dict]:
@@ -123,7 +124,7 @@ def _report(ctx: RunContext, files: list[Path], rules: list[dict], row_indices: 
     from ballast.data_checks.combine import BatchValidation
 
     checker = BatchValidation(rules, array_columns=array_columns(ds), text_columns=texts, name=ctx.spec.name,
-                              row_indices=row_indices)
+                              row_indices=row_indices, spill_dir=ballast_home() / "tmp")
     progress = Progress(ctx.log, "validate", sum(counts))  # in the task log, every few seconds
     for offset, frame in frames(files, ds, max_rows=ctx.spec.conversion.read_batch_rows):
         checker.add(frame, offset)

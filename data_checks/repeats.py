@@ -1,0 +1,239 @@
+"""Repeated values across every batch of a column, in bounded memory, for the two questions validation
+asks that no single batch can answer: which rows hold a value that occurs more than once (`unique`:
+every occurrence fails, the first one too, as GX marks them) and how many rows repeat an earlier row's
+value (`duplicate_share`, fed the text column's 128-bit digests, never the documents).
+
+Values and their global row numbers are held in memory up to `budget` bytes. Past it, everything held
+goes to disk in `PARTITIONS` hash partitions (Arrow IPC streams in a private temporary directory, on the
+node's disk where the caller says: validation spills under the Ballast home, not a RAM-backed /tmp), and
+so does every later batch once the buffer fills again. At the end each partition is read on its own:
+equal values share a partition, so its repeats are the whole data's. A partition larger than the budget
+is split again, streamed batch by batch, by another hash of its values. So memory is bounded by the
+budget and one batch, whatever the number of distinct values; what grows with the data is the disk
+(the values and 8 bytes per row) and, for `unique`, the failing rows' numbers (8 bytes each).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUDGET = 64 << 20
+"""Bytes of values and row numbers held in memory before they go to disk (per column)."""
+PARTITIONS = 64
+ROW = "_row"
+_HASH_KEYS = ("ballast-repeats0", "ballast-repeats1", "ballast-repeats2", "ballast-repeats3")
+"""One hash key per level of partitioning (16 characters each, as pandas's hash needs): a split partition
+is split by a hash independent of the one that made it."""
+
+
+@dataclass
+class Found:
+    """What `Repeats.finish` found: the rows whose value occurs more than once (sorted, only when asked
+    for), how many rows repeat an earlier row's value, and the first `examples` repeated values in row
+    order (the values of the first rows in `rows`)."""
+
+    repeats: int = 0
+    rows: Any = None
+    examples: list[Any] = field(default_factory=list)
+
+
+class Repeats:
+    """Feed `add(frame)` the non-null values (columns `keys`) and global row numbers (column `_row`) of
+    each batch, in row order; then `finish()` once. `rows`: keep the numbers of the rows whose value
+    repeats (unique); without it only the count is kept (duplicate share)."""
+
+    def __init__(self, keys: tuple[str, ...], *, rows: bool, examples: int = 0, budget: int | None = None,
+                 partitions: int = PARTITIONS, directory: Path | None = None) -> None:
+        self.keys, self.want_rows, self.examples = keys, rows, examples
+        self.directory = directory  # where the partitions go (a temporary directory in it); None: $TMPDIR
+        self.budget, self.partitions = budget or BUDGET, partitions
+        self.held: list[Any] = []  # pandas frames, in row order
+        self.held_bytes = 0
+        self.dir: Path | None = None
+        self.parts: _Partitions | None = None
+        self._cleanup: Any = None
+        self._found: Found | None = None
+
+    def add(self, frame: Any) -> None:
+        if not len(frame):
+            return
+        frame = frame[[*self.keys, ROW]].reset_index(drop=True)
+        for k in self.keys:  # -0.0 and 0.0 are one value: one hash
+            if frame[k].dtype.kind == "f":
+                frame[k] = frame[k] + 0.0
+        self.held.append(frame)
+        self.held_bytes += int(frame.memory_usage(index=False, deep=True).sum())
+        if self.held_bytes > self.budget:
+            self._spill()
+
+    @property
+    def spilled(self) -> bool:
+        return self.dir is not None
+
+    def _spill(self) -> None:
+        import pandas as pd
+
+        if self.dir is None:
+            if self.directory is not None:
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.dir = Path(tempfile.mkdtemp(prefix="ballast-repeats-", dir=self.directory))  # 0700: its own
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
+            self.parts = _Partitions([self.dir / f"p{i:03d}.arrows" for i in range(self.partitions)], level=0)
+        held, self.held, self.held_bytes = self.held, [], 0
+        chunk, size = [], 0
+        for i, frame in enumerate(held):  # written in chunks of an eighth of the budget: never a second copy of it all
+            chunk.append(frame)
+            size += int(frame.memory_usage(index=False, deep=True).sum())
+            held[i] = None
+            if size >= self.budget // 8 or i == len(held) - 1:
+                self.parts.append(pd.concat(chunk, ignore_index=True), self.keys)
+                chunk, size = [], 0
+
+    def finish(self) -> Found:
+        """The repeats over everything added (the same answer if asked again); removes what went to disk."""
+        import numpy as np
+        import pandas as pd
+
+        if self._found is not None:
+            return self._found
+        found, picked, rows = Found(), [], []
+        try:
+            if self.dir is None:
+                parts = [pd.concat(self.held, ignore_index=True)] if self.held else []
+                self.held = []
+                self._judge_all(parts, found, picked, rows)
+            else:
+                if self.held:
+                    self._spill()
+                self.parts.close()
+                for f in self.parts.files:
+                    self._judge_file(f, 0, found, picked, rows)
+        finally:
+            self.close()
+        if self.want_rows:
+            found.rows = np.sort(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
+        if picked:
+            first = pd.concat(picked, ignore_index=True).sort_values(ROW).head(self.examples)
+            found.examples = (first[self.keys[0]].tolist() if len(self.keys) == 1
+                              else list(first[list(self.keys)].itertuples(index=False, name=None)))
+        self._found = found
+        return found
+
+    def _judge_all(self, parts: Any, found: Found, picked: list, rows: list) -> None:
+        import numpy as np
+
+        for part in parts:
+            if not len(part):
+                continue
+            part = part.sort_values(ROW, kind="stable")
+            keys = list(self.keys)
+            found.repeats += int(part.duplicated(subset=keys, keep="first").sum())
+            if self.want_rows or self.examples:
+                bad = part[part.duplicated(subset=keys, keep=False)]
+                if self.want_rows:
+                    rows.append(bad[ROW].to_numpy(dtype=np.int64))
+                if self.examples:
+                    picked.append(bad.head(self.examples))
+
+    def _judge_file(self, path: Path, level: int, found: Found, picked: list, rows: list) -> None:
+        """One partition: judged whole if it is under a quarter of the budget (judging it takes a few copies),
+        else split by the next hash and each part judged in turn."""
+        import pyarrow as pa
+
+        if not path.exists():
+            return
+        if path.stat().st_size > self.budget // 4 and level + 1 >= len(_HASH_KEYS):
+            self._judge_hot(path, found, picked, rows)  # split three times and still large: a few common values
+            return
+        if path.stat().st_size <= self.budget // 4:
+            with pa.OSFile(str(path), "rb") as src:
+                frame = pa.ipc.open_stream(src).read_all().to_pandas()
+            path.unlink()
+            self._judge_all([frame], found, picked, rows)
+            return
+        parts = _Partitions([path.with_name(f"{path.stem}-{i:03d}.arrows") for i in range(self.partitions)],
+                            level=level + 1)
+        try:
+            with pa.OSFile(str(path), "rb") as src:
+                for batch in pa.ipc.open_stream(src):
+                    parts.append(batch.to_pandas(), self.keys)
+        finally:
+            parts.close()
+        path.unlink()
+        for p in parts.files:
+            self._judge_file(p, level + 1, found, picked, rows)
+
+    def _judge_hot(self, path: Path, found: Found, picked: list, rows: list) -> None:
+        """A partition that hashing could not split: few distinct values, many rows. Streamed twice: the
+        count of each value, then the rows of the values that occur more than once."""
+        import numpy as np
+        import pyarrow as pa
+
+        keys = list(self.keys)
+        counts: dict[Any, int] = {}
+        with pa.OSFile(str(path), "rb") as src:
+            for batch in pa.ipc.open_stream(src):
+                for value, n in batch.to_pandas().value_counts(subset=keys, sort=False, dropna=False).items():
+                    counts[value] = counts.get(value, 0) + int(n)  # value: a tuple of the keys' values
+        found.repeats += sum(n - 1 for n in counts.values())
+        repeated = {v for v, n in counts.items() if n > 1}
+        if not (self.want_rows or self.examples) or not repeated:
+            path.unlink()
+            return
+        with pa.OSFile(str(path), "rb") as src:
+            for batch in pa.ipc.open_stream(src):
+                frame = batch.to_pandas()
+                bad = frame[[t in repeated for t in frame[keys].itertuples(index=False, name=None)]]
+                if self.want_rows:
+                    rows.append(bad[ROW].to_numpy(dtype=np.int64))
+                if self.examples:
+                    picked.append(bad.sort_values(ROW).head(self.examples))
+        path.unlink()
+
+    def close(self) -> None:
+        """Remove what went to disk (done by `finish`; for a validation that stops early)."""
+        self.held = []
+        if self.parts is not None:
+            self.parts.close()
+        if self._cleanup is not None:
+            self._cleanup()
+
+
+class _Partitions:
+    """Hash partition files, each one Arrow IPC stream written as rows come (in row order)."""
+
+    def __init__(self, files: list[Path], *, level: int) -> None:
+        self.files, self.level = files, level
+        self.writers: dict[int, Any] = {}
+        self.schema: Any = None
+
+    def append(self, frame: Any, keys: tuple[str, ...]) -> None:
+        import numpy as np
+        import pandas as pd
+        import pyarrow as pa
+
+        hashed = pd.util.hash_pandas_object(frame[list(keys)], index=False, hash_key=_HASH_KEYS[self.level])
+        which = (hashed.to_numpy() % np.uint64(len(self.files))).astype(np.int64)
+        order = np.argsort(which, kind="stable")
+        bounds = np.searchsorted(which[order], np.arange(len(self.files) + 1))
+        table = pa.Table.from_pandas(frame.take(order), preserve_index=False)
+        self.schema = self.schema or table.schema
+        table = table.cast(self.schema)
+        for i in range(len(self.files)):
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            if hi == lo:
+                continue
+            part = table.slice(lo, hi - lo)
+            writer = self.writers.get(i)
+            if writer is None:
+                writer = self.writers[i] = pa.ipc.new_stream(str(self.files[i]), self.schema)
+            writer.write_table(part)
+
+    def close(self) -> None:
+        while self.writers:
+            self.writers.popitem()[1].close()
