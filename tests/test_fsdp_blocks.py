@@ -160,6 +160,31 @@ def test_activation_checkpointing_recomputes_blocks_and_keeps_gradients_and_name
         assert torch.equal(a.grad, b.grad), name
 
 
+def test_recomputed_blocks_leave_batch_norm_statistics_as_without_recomputation():
+    import torch
+
+    torch.manual_seed(0)
+    plain = _model("unet", {"depth": 2, "base_width": 4}, SEG)
+    again = _model("unet", {"depth": 2, "base_width": 4}, SEG)
+    again.load_state_dict(plain.state_dict())
+    fsdp.prepare_blocks(again, sharded=False, activation_checkpointing=True, log=print)
+    norms = [n for n, m in again.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(norms) == 2 * 5
+    for step in range(3):
+        x = torch.randn(4, 8, 8)
+        for model in (plain, again):
+            model.zero_grad()
+            model(x).float().pow(2).mean().backward()
+        for (name, a), b in zip(plain.named_parameters(), again.parameters()):
+            assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    stats = again.state_dict()
+    for name, value in plain.state_dict().items():
+        if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            assert torch.allclose(stats[name].float(), value.float(), atol=1e-6), name  # once per batch, not twice
+    assert all(stats[f"{n}.num_batches_tracked"].item() == 3 for n in norms)
+    assert all(m.momentum == 0.1 for m in again.modules() if isinstance(m, torch.nn.BatchNorm2d))
+
+
 def test_activation_checkpointing_travels_from_the_spec_to_the_run_config():
     from ballast.errors import SpecError
     from ballast.launch.config import run_config

@@ -11,7 +11,8 @@ with them. Importing this module does not import torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -33,17 +34,41 @@ def model_blocks(model: Any) -> list[Any] | None:
 
 def checkpoint_activations(blocks: list[Any]) -> None:
     """Recompute each block's activations in backward instead of keeping them (torch.utils.checkpoint,
-    non-reentrant, RNG state preserved so dropout draws the same masks). The block keeps its name and
-    its parameters' names: checkpoints are the same with or without it."""
+    non-reentrant, RNG state preserved so dropout draws the same masks). The recomputation leaves batch
+    norms' running statistics alone: the forward already updated them once, as without recomputation (a
+    second update would count every batch twice). The block keeps its name and its parameters' names:
+    checkpoints are the same with or without it."""
+    from torch.nn.modules.batchnorm import _BatchNorm
     from torch.utils.checkpoint import checkpoint
 
     for block in blocks:
         inner = block.forward
+        norms = [m for m in block.modules() if isinstance(m, _BatchNorm)]
 
-        def forward(*args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        def contexts(_norms: list[Any] = norms) -> tuple[Any, Any]:
+            return contextlib.nullcontext(), _not_tracking(_norms)
+
+        def forward(*args: Any, _inner: Callable = inner, _contexts: Callable = contexts, **kwargs: Any) -> Any:
+            return checkpoint(_inner, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         block.forward = forward
+
+
+@contextlib.contextmanager
+def _not_tracking(norms: list[Any]) -> Iterator[None]:
+    """Batch norms that normalize by the batch's statistics, as in the forward, and leave their running
+    ones as they are (momentum 0, the batch count put back): what a recomputed forward must do. The norms
+    keep tracking, so the recomputation saves the very tensors the forward saved (checkpoint checks)."""
+    kept = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, count) in zip(norms, kept):
+            m.momentum = momentum
+            if count is not None:
+                m.num_batches_tracked.copy_(count)
 
 
 def mixed_precision(precision: str) -> Any:
