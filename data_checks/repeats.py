@@ -8,7 +8,7 @@ goes to disk in `PARTITIONS` hash partitions (Arrow IPC streams in a private tem
 node's disk where the caller says: validation spills under the Ballast home, not a RAM-backed /tmp), and
 so does every later batch once the buffer fills again. At the end each partition is read on its own:
 equal values share a partition, so its repeats are the whole data's. A partition larger than the budget
-is split again, streamed batch by batch, by another hash of its values. So memory is bounded by the
+is split again, streamed batch by batch, by other bits of its values' hash. So memory is bounded by the
 budget and one batch, whatever the number of distinct values; what grows with the data is the disk
 (the values and 8 bytes per row) and, for `unique`, the failing rows' numbers (8 bytes each).
 """
@@ -26,9 +26,11 @@ BUDGET = 64 << 20
 """Bytes of values and row numbers held in memory before they go to disk (per column)."""
 PARTITIONS = 64
 ROW = "_row"
-_HASH_KEYS = ("ballast-repeats0", "ballast-repeats1", "ballast-repeats2", "ballast-repeats3")
-"""One hash key per level of partitioning (16 characters each, as pandas's hash needs): a split partition
-is split by a hash independent of the one that made it."""
+LEVELS = 4
+"""Levels of partitioning: level L takes its partition from bits 16L to 16L+15 of one 64-bit hash of
+the values (pandas's: siphash for strings, a splitmix64 finalizer for numbers, so every slice of bits
+is as good as another), so a split partition is split by bits independent of the ones that made it."""
+_HASH_KEY = "ballast-repeats0"  # 16 characters, as pandas's hash needs
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Repeats:
                  partitions: int = PARTITIONS, directory: Path | None = None) -> None:
         self.keys, self.want_rows, self.examples = keys, rows, examples
         self.directory = directory  # where the partitions go (a temporary directory in it); None: $TMPDIR
+        if not 2 <= partitions <= 1 << 16:
+            raise ValueError(f"partitions must be 2 to 65536 (16 bits of the hash per level), not {partitions}")
         self.budget, self.partitions = budget or BUDGET, partitions
         self.held: list[Any] = []  # pandas frames, in row order
         self.held_bytes = 0
@@ -147,7 +151,7 @@ class Repeats:
 
         if not path.exists():
             return
-        if path.stat().st_size > self.budget // 4 and level + 1 >= len(_HASH_KEYS):
+        if path.stat().st_size > self.budget // 4 and level + 1 >= LEVELS:
             self._judge_hot(path, found, picked, rows)  # split three times and still large: a few common values
             return
         if path.stat().st_size <= self.budget // 4:
@@ -172,6 +176,7 @@ class Repeats:
         """A partition that hashing could not split: few distinct values, many rows. Streamed twice: the
         count of each value, then the rows of the values that occur more than once."""
         import numpy as np
+        import pandas as pd
         import pyarrow as pa
 
         keys = list(self.keys)
@@ -188,7 +193,7 @@ class Repeats:
         with pa.OSFile(str(path), "rb") as src:
             for batch in pa.ipc.open_stream(src):
                 frame = batch.to_pandas()
-                bad = frame[[t in repeated for t in frame[keys].itertuples(index=False, name=None)]]
+                bad = frame[pd.MultiIndex.from_frame(frame[keys]).isin(list(repeated))]
                 if self.want_rows:
                     rows.append(bad[ROW].to_numpy(dtype=np.int64))
                 if self.examples:
@@ -217,8 +222,8 @@ class _Partitions:
         import pandas as pd
         import pyarrow as pa
 
-        hashed = pd.util.hash_pandas_object(frame[list(keys)], index=False, hash_key=_HASH_KEYS[self.level])
-        which = (hashed.to_numpy() % np.uint64(len(self.files))).astype(np.int64)
+        hashed = pd.util.hash_pandas_object(frame[list(keys)], index=False, hash_key=_HASH_KEY).to_numpy()
+        which = ((hashed >> np.uint64(16 * self.level)) % np.uint64(len(self.files))).astype(np.int64)
         order = np.argsort(which, kind="stable")
         bounds = np.searchsorted(which[order], np.arange(len(self.files) + 1))
         table = pa.Table.from_pandas(frame.take(order), preserve_index=False)

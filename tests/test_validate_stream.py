@@ -201,8 +201,11 @@ def test_repeats_past_the_budget_go_to_disk_and_give_what_memory_gives(kind, tmp
         values[3], values[9] = -0.0, 0.0  # one value: repeated
     keys = ("a", "b") if kind == "pair" else ("v",)
     monkeypatch.setattr(repeats.tempfile, "tempdir", str(tmp_path))
+    streamed = []
+    judge_hot = repeats.Repeats._judge_hot
+    monkeypatch.setattr(repeats.Repeats, "_judge_hot", lambda self, *a: (streamed.append(1), judge_hot(self, *a)))
     found = {}
-    for budget in (1 << 30, 40_000):  # all in memory; spilled, partitions split again, hot values streamed
+    for budget in (1 << 30, 200_000):  # all in memory; spilled, partitions split again, hot values streamed
         r = repeats.Repeats(keys, rows=True, examples=5, budget=budget, partitions=8)
         for lo in range(0, n, 4096):
             part = values[lo:lo + 4096]
@@ -215,7 +218,8 @@ def test_repeats_past_the_budget_go_to_disk_and_give_what_memory_gives(kind, tmp
         found[budget] = (got.repeats, got.rows.tolist(), got.examples)
         assert r.finish() is r.finish(), "asked again, the same answer"
     want = _repeats_by_dict(values)
-    assert found[1 << 30] == found[40_000] == want
+    assert found[1 << 30] == found[200_000] == want
+    assert bool(streamed) == (kind == "hot"), "three values: no hash splits them, they are streamed"
     assert want[0] > 1000
 
 
