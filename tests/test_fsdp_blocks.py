@@ -242,6 +242,37 @@ def test_the_gate_refuses_a_dcp_checkpoint_holding_pickled_values(tmp_path):
         dcp.check(tmp_path / "inf")
 
 
+def test_the_contents_check_reads_whole_files_of_its_share_a_bounded_batch_of_pieces_at_a_time(tmp_path, monkeypatch):
+    import torch
+    import torch.distributed.checkpoint as dcp_api
+    from ballast.training.checkpoint import dcp
+
+    state = {"model": {f"w{i}": torch.full((64,), float(i)) for i in range(6)}}
+    state["model"]["w4"][7] = float("nan")
+    writer = dcp_api.FileSystemWriter(str(tmp_path), thread_count=2)  # one process, two shard files
+    dcp_api.save(state, storage_writer=writer, no_dist=True)
+    meta = dcp.metadata(tmp_path)
+    where = {i.fqn: s.relative_path for i, s in meta.storage_data.items()}
+    files = sorted(set(where.values()))
+    assert len(files) == 2
+    bad = where["model.w4"]
+    reads: list[list[str]] = []
+    read_data = dcp_api.FileSystemReader.read_data
+    monkeypatch.setattr(dcp_api.FileSystemReader, "read_data", lambda self, plan, planner: (
+        reads.append([self.storage_data[i.storage_index].relative_path for i in plan.items]),
+        read_data(self, plan, planner))[1])
+    monkeypatch.setattr(dcp, "_CHECK_BYTES", 2 * 64 * 4)  # two pieces a batch
+    for part in range(2):
+        reads.clear()
+        if files[part] == bad:
+            with pytest.raises(CheckpointFailure, match=rf"{bad}: non-finite values in model\.w4"):
+                dcp.check(tmp_path, share=(part, 2))
+        else:
+            dcp.check(tmp_path, share=(part, 2))
+            assert {f for batch in reads for f in batch} == {files[part]}, "its own share's file only"
+            assert max(map(len, reads)) == 2, "pieces a bounded batch at a time"
+
+
 def test_dcp_shards_are_hashed_as_they_are_written(tmp_path, group):
     """The digests dcp.write returns (hashed beside the write, large pieces from the tensors' own memory)
     are the sha256 and size of the files on disk, for small, large, strided and integer tensors."""

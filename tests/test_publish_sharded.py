@@ -278,7 +278,7 @@ def test_a_damaged_rank_file_stops_the_export_the_contents_check_and_the_model_r
         export.export(src, tmp_path / "pub", max_shard_bytes=20_000)
     assert not list((tmp_path / "pub").glob("*.safetensors"))
     # DCP's CheckpointException derives from BaseException: the gate's check and the stages' read name it too.
-    with pytest.raises(CheckpointFailure, match=r"cannot read the shards .*__0_0\.distcp through DCP"):
+    with pytest.raises(CheckpointFailure, match=r"cannot read the shard __0_0\.distcp through DCP"):
         dcp.check(src)
     with pytest.raises(CheckpointFailure, match=r"ckpt: cannot read the model's shards through DCP"):
         dcp.model_weights(src)

@@ -28,7 +28,7 @@ from ballast.training.failure import CheckpointFailure
 MODEL, OPTIM = "model", "optim"
 GROUPS_FILE = "optim_groups.json"
 """The optimizer's parameter groups (hyper-parameters and the names of their parameters), as JSON."""
-_CHECK_BYTES = 64 << 20  # the gate reads tensors in batches of about this size (one larger tensor alone)
+_CHECK_BYTES = 64 << 20  # the gate reads pieces in batches of about this size (one larger piece alone)
 _SAFE_MODULES = ("torch.distributed.checkpoint.",)
 _SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
                  ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path")}
@@ -195,36 +195,53 @@ def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _tensor_batches(meta: Any) -> Iterator[dict[str, Any]]:
-    """Empty full-size CPU tensors for the floating-point entries of a DCP checkpoint, in batches of
-    about _CHECK_BYTES."""
-    import torch
+def _pieces(meta: Any) -> dict[str, list[tuple[Any, Any, Any]]]:
+    """Per shard file, the tensor pieces it stores: (storage index, piece sizes, dtype), in file order."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    batch, size = {}, 0
+    sizes = {}
     for fqn, entry in meta.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            continue
-        dtype = entry.properties.dtype
-        if not dtype.is_floating_point:
-            continue
-        batch[fqn] = torch.empty(tuple(entry.size), dtype=dtype)
-        size += batch[fqn].numel() * dtype.itemsize
-        if size >= _CHECK_BYTES:
-            yield batch
-            batch, size = {}, 0
-    if batch:
-        yield batch
+        if isinstance(entry, TensorStorageMetadata):
+            for chunk in entry.chunks:
+                sizes[(fqn, tuple(chunk.offsets))] = (tuple(chunk.sizes), entry.properties.dtype)
+    out: dict[str, list[tuple[Any, Any, Any]]] = {}
+    for index, info in sorted(meta.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        size, dtype = sizes[(index.fqn, tuple(index.offset))]
+        out.setdefault(info.relative_path, []).append((index, size, dtype))
+    return out
+
+
+class _Checker:
+    """DCP's read path (FileSystemReader.read_data) for the gate: each piece read into a tensor of its own
+    size, then checked; the planner methods read_data calls, and no other."""
+
+    def __init__(self, targets: dict[Any, Any]) -> None:
+        self.targets: dict[Any, Any] = targets
+        self.bad: list[str] = []
+
+    def resolve_tensor(self, item: Any) -> Any:
+        return self.targets[item.storage_index]
+
+    def commit_tensor(self, item: Any, tensor: Any) -> None:
+        import torch
+
+        if torch.is_floating_point(tensor) and not torch.isfinite(tensor).all():
+            self.bad.append(item.storage_index.fqn)
+
+    def load_bytes(self, item: Any, value: Any) -> None:  # never asked: pickled values are refused first
+        raise CheckpointFailure(f"{item.storage_index.fqn}: a pickled value in a Ballast checkpoint")
 
 
 def check(path: Path, *, share: tuple[int, int] | None = None) -> None:
     """The gate's contents check of a sharded checkpoint: tensors only (no pickled value), and every
-    floating-point tensor finite; a failure names the shard files that hold the tensor. Reads through
-    DCP's reader, a bounded batch of tensors at a time (in one process, without a process group)."""
+    floating-point piece finite; a failure names the shard file. Each shard file's pieces are read
+    through DCP's reader, a bounded batch of pieces at a time, each into a tensor of the piece's own size
+    (never a whole tensor). `share` (part, parts): only every `parts`-th of the shard files, from `part`
+    (the ranks that split the gate read each file once between them, each whole files of its own)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
     path = Path(path)
     meta = metadata(path)
@@ -232,29 +249,39 @@ def check(path: Path, *, share: tuple[int, int] | None = None) -> None:
     if pickled:
         raise CheckpointFailure(f"{path / DCP_METADATA}: holds pickled values ({', '.join(pickled[:3])}); a Ballast"
                                 " checkpoint holds tensors only, refusing to unpickle")
-    files: dict[str, set[str]] = {}  # tensor -> the shard files holding its pieces
-    piece_file = {}  # (tensor, offsets of a piece) -> the shard file holding it
-    for index, info in meta.storage_data.items():
-        files.setdefault(index.fqn, set()).add(info.relative_path)
-        piece_file[(index.fqn, tuple(index.offset))] = info.relative_path
-    for i, batch in enumerate(_tensor_batches(meta)):
-        if share and i % share[1] != share[0]:
-            continue  # another rank's share of the batches
+    pieces = _pieces(meta)
+    names = sorted(pieces)
+    read = reader(path)
+    read.set_up_storage_reader(meta, is_coordinator=False)
+
+    def read_batch(name: str, batch: list[tuple[Any, Any, Any]]) -> None:
+        targets = {index: torch.empty(sizes, dtype=dtype) for index, sizes, dtype in batch}
+        zeros = [torch.Size([0] * len(sizes)) for _, sizes, _ in batch]
+        plan = LoadPlan([ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(index.fqn, index.offset),
+                                  dest_offsets=zero, storage_index=index, storage_offsets=zero,
+                                  lengths=torch.Size(sizes))
+                         for (index, sizes, _), zero in zip(batch, zeros)])
+        checker = _Checker(targets)
         try:
-            dcp.load(batch, storage_reader=reader(path), no_dist=True)
+            read.read_data(plan, checker).wait()
         except CheckpointFailure:
             raise
-        except (Exception, CheckpointException) as exc:  # DCP's wraps what its reader raised (a damaged
-            # record); it derives from BaseException, not Exception
-            names = ", ".join(sorted({f for fqn in batch for f in files.get(fqn, ())}))
-            raise CheckpointFailure(f"{path}: cannot read the shards {names} through DCP"
-                                    f" ({first_line(exc)})") from exc
-        for fqn, t in batch.items():
-            if not torch.isfinite(t).all():
-                bad = sorted({piece_file.get((fqn, tuple(c.offsets)), "?")
-                              for c in meta.state_dict_metadata[fqn].chunks
-                              if not torch.isfinite(t[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))]).all()})
-                raise CheckpointFailure(f"{', '.join(str(path / f) for f in bad)}: non-finite values in {fqn}")
+        except (Exception, CheckpointException) as exc:  # a damaged record: torch.load's or the copy's error
+            raise CheckpointFailure(f"{path}: cannot read the shard {name} through DCP ({first_line(exc)})") from exc
+        if checker.bad:
+            raise CheckpointFailure(f"{path / name}: non-finite values in {checker.bad[0]}")
+
+    for name in names[share[0]::share[1]] if share else names:
+        batch: list[tuple[Any, Any, Any]] = []
+        size = 0
+        for piece in pieces[name]:
+            batch.append(piece)
+            size += torch.Size(piece[1]).numel() * piece[2].itemsize
+            if size >= _CHECK_BYTES:
+                read_batch(name, batch)
+                batch, size = [], 0
+        if batch:
+            read_batch(name, batch)
 
 
 def model_weights(path: Path) -> dict[str, Any]:

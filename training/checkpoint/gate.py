@@ -120,7 +120,7 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
     """The newest committed checkpoint under `root` that passes `check`; the newer ones that fail are
     quarantined (or only skipped, with `quarantine_failures=False`: the trainer's ranks read, the
     orchestrator moves). `share` and `agree`: the trainer's ranks each check their share of every
-    checkpoint (its files hashed once, its tensors read once between them, not once per rank);
+    checkpoint (its files hashed once, its shard files' pieces read once between them, not once per rank);
     `agree(value)` gives every rank each rank's value (collectively): first the checkpoints each rank
     sees (the ones all see are the candidates: a node's disk may hold one its peers lack), then each
     rank's failure (or None) for each candidate, so that all take the same one."""
