@@ -1,7 +1,8 @@
 """Multi-node training on S3 storage: each node's checkpoint directory holds its own ranks' shards and
 the whole manifest (training.checkpoint.commit, node-local), each node pushes its own share and node 0
 writes the manifest and COMMITTED in storage only once every share is there (ballast.storage.checkpoints);
-a node resuming pulls every shard, each checked against the manifest's size and sha256.
+a node resuming pulls the checkpoint but its shard files, and its ranks fetch the shard files their loads
+read (DCP's load plan), each checked against the manifest's size and sha256.
 
 The integration tests run the commit protocol's ranks as threads (two nodes of two ranks each, the
 gather over a barrier) against a real S3 server on loopback (moto); the end-to-end test trains under
@@ -179,6 +180,59 @@ def test_s3_push_and_pull_of_shards_per_node_with_the_marker_after_every_shard(c
             assert (pulled / name).read_bytes() == (root / "step-00000010" / name).read_bytes()
 
 
+@pytest.mark.integration
+def test_a_node_pulls_all_but_the_shards_and_fetches_the_ones_named_each_checked_against_the_manifest(ctx, tmp_path):
+    from ballast.errors import StorageError
+    from ballast.storage import checkpoints as sync
+    from ballast.training.checkpoint import gate
+
+    roots = _committed_step_10(ctx, tmp_path)
+    fresh = tmp_path / "resume"
+    assert sync.pull(ctx, fresh, newest=1, shards=False) == ["step-00000010"]
+    pulled = fresh / "step-00000010"
+    every = set().union(*(node_files(n) for n in range(NODES)))
+    assert ckpt.held_files(pulled) == {f for f in every if not f.endswith(".distcp")}
+    assert not list(pulled.glob("*.distcp")) and not (fresh / sync.PULLING).exists()
+    ckpt.verify(pulled, held_only=True)
+    with pytest.raises(ckpt.CheckpointFailure, match="holds only this node's files"):
+        ckpt.verify(pulled)  # never resumed from as a whole checkpoint
+
+    # Bad requests: nothing is fetched, nothing left behind.
+    for names, what in [(["../node0/step-00000010/__0_0.distcp"], "does not list"), (["nope.distcp"], "does not list")]:
+        with pytest.raises(StorageError, match=what):
+            sync.fetch(ctx, pulled, names)
+    with pytest.raises(StorageError, match="holds the whole checkpoint"):
+        sync.fetch(ctx, _whole(ctx, tmp_path), ["__1_0.distcp"])
+    base = _base(ctx, 10)
+    good = ctx.storage.read_bytes(base + "__1_0.distcp")
+    ctx.storage.write_bytes(base + "__1_0.distcp", good[:-1] + bytes([good[-1] ^ 1]))  # damaged in storage
+    with pytest.raises(StorageError, match=r"__1_0\.distcp: size or sha256 does not match"):
+        sync.fetch(ctx, pulled, ["__1_0.distcp"])
+    assert not (pulled / "__1_0.distcp").exists() and not list(pulled.glob(".fetch-*"))
+    assert "__1_0.distcp" not in ckpt.held_files(pulled)
+    ctx.storage.write_bytes(base + "__1_0.distcp", good)
+
+    # The ones named: in place, listed as held, and the gate passes on what the node holds.
+    assert sync.fetch(ctx, pulled, ["__1_0.distcp"]) == len(good)
+    assert (pulled / "__1_0.distcp").read_bytes() == (roots[0] / "step-00000010" / "__1_0.distcp").read_bytes()
+    assert "__1_0.distcp" in ckpt.held_files(pulled) and "__0_0.distcp" not in ckpt.held_files(pulled)
+    ckpt.verify(pulled, held_only=True)
+    assert sync.fetch(ctx, pulled, ["__1_0.distcp"]) == 0  # held already
+
+    # Storage no longer holding that very checkpoint (its marker taken down): refused.
+    ctx.storage.delete(base + ckpt.COMMIT_MARKER)
+    with pytest.raises(StorageError, match="not committed in storage with this checkpoint's manifest"):
+        sync.fetch(ctx, pulled, ["__0_0.distcp"])
+    assert gate.node_local(pulled)
+
+
+def _whole(ctx, tmp_path: Path) -> Path:
+    from ballast.storage import checkpoints as sync
+
+    sync.pull(ctx, tmp_path / "whole", newest=1)
+    return tmp_path / "whole" / "step-00000010"
+
+
 def _committed_step_10(ctx, tmp_path: Path) -> list[Path]:
     """Every node's directory with step 10 saved, both shares pushed and the checkpoint committed in storage."""
     from ballast.storage import checkpoints as sync
@@ -252,9 +306,10 @@ def test_the_same_step_saved_again_is_recommitted_only_once_every_node_pushed_th
     assert (tmp_path / "resume" / "step-00000010" / "__2_0.distcp").read_bytes() == _shard(10, 2, 1)
 
 
-def _two_agents(tmp: Path, cache, *, epochs: int, port: int) -> list:
+def _two_agents(tmp: Path, cache, *, epochs: int, port: int, fetch: list[str] | None = None) -> list:
     """Two torchrun agents on loopback as two nodes of one rank each, under FSDP, each node with a
-    checkpoint directory of its own (`tmp/node<k>/ckpt`, node-local)."""
+    checkpoint directory of its own (`tmp/node<k>/ckpt`, node-local; `fetch`: the command its ranks copy
+    checkpoint files from storage with)."""
     import subprocess
 
     from helpers import config, torchrun
@@ -269,7 +324,8 @@ def _two_agents(tmp: Path, cache, *, epochs: int, port: int) -> list:
     agents = []
     for n in range(NODES):
         (tmp / f"node{n}").mkdir(parents=True, exist_ok=True)
-        cfg = config(tmp / f"node{n}", cache, epochs=epochs, edit=two_nodes, changes={"checkpoint.node_local": True})
+        cfg = config(tmp / f"node{n}", cache, epochs=epochs, edit=two_nodes,
+                     changes={"checkpoint.node_local": True, "checkpoint.fetch": fetch})
         agents.append(subprocess.Popen(torchrun(cfg, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True))
     out = [a.communicate(timeout=240) for a in agents]
@@ -304,16 +360,35 @@ def test_fsdp_on_two_nodes_pushes_real_shards_per_node_and_resumes_from_storage_
     when = {o["Key"].rsplit("/", 1)[-1]: o["LastModified"] for o in listing}
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", ckpt.COMMIT_MARKER} <= set(when)
     assert all(when[ckpt.COMMIT_MARKER] >= t for t in when.values())
-    # The next try: each node pulls what it resumes from (every shard, the resume gate run on it) and
-    # both resume at the newest committed step.
+    # The next try: each node pulls what it resumes from but the shard files (the resume gate run on the
+    # files it holds); its rank, once the rendezvous ranked it, fetches the shard files its load reads
+    # (its own and rank 0's, which holds what every rank holds alike), and both resume at the newest step.
+    manifest = json.loads((newest / ckpt.MANIFEST).read_text())["files"]
     for n in range(NODES):
         fresh = tmp_path / "next" / f"node{n}" / "ckpt"
-        assert sync.pull_for_resume(ctx, fresh) == [newest.name]
+        assert sync.pull_for_resume(ctx, fresh, shards=False) == [newest.name]
+        assert ckpt.held_files(fresh / newest.name) == {f for f in manifest if not f.endswith(".distcp")}
+        assert not list((fresh / newest.name).glob("*.distcp"))
     step = int(newest.name.split("-")[1])
-    outs = _two_agents(tmp_path / "next", digits_cache, epochs=2, port=free_port())
-    assert re.search(rf"resumed from \S*{newest.name} \(epoch \d+, step {step}\)", outs[0]), outs[0][-2000:]
+    outs = _two_agents(tmp_path / "next", digits_cache, epochs=2, port=free_port(), fetch=_fetch_command(ctx, tmp_path))
+    assert re.search(rf"resumed from \S*{newest.name} \(epoch \d+, step {step}\)", "".join(outs)), outs[0][-2000:]
+    fetched = [re.findall(rf"fetched from storage \d+ file\(s\) of {newest.name} this node's ranks read: (.*) \(", out)
+               for out in outs]
+    assert sorted(fetched) == [["__0_0.distcp"], ["__0_0.distcp, __1_0.distcp"]], fetched
     later = [p for p in ckpt.committed(tmp_path / "next" / "node1" / "ckpt") if ckpt.step_of_name(p.name) > step]
-    assert later and {n for n in ckpt.held_files(later[-1]) if n.endswith(".distcp")} == {"__1_0.distcp"}
+    assert later and len({n for n in ckpt.held_files(later[-1]) if n.endswith(".distcp")}) == 1
+
+
+def _fetch_command(ctx, tmp_path: Path) -> list[str]:
+    """`python -m ballast.node --job JOB --fetch`, JOB a job file of ctx's run (what a node passes its ranks)."""
+    import sys
+
+    from ballast.node import NodeJob
+
+    job = tmp_path / "job.json"
+    job.write_text(NodeJob(spec=ctx.spec.model_dump(mode="json"), dag_id=ctx.dag_id, run_id=ctx.run_id, task_id="train",
+                           try_number=2, name="t", run_config={}, out_dir="", checkpoint_dir="").model_dump_json())
+    return [sys.executable, "-m", "ballast.node", "--job", str(job), "--fetch"]
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +454,9 @@ def test_two_slurm_nodes_on_s3_push_their_own_shards_and_a_killed_rank_resumes_f
     assert up and max(up) >= 20 and shares == {0, 1}, t1[-3000:]
     pulled = re.findall(r"checkpoints from storage: (\S+)", t2)
     assert pulled == [f"step-{max(up):08d}"] * 2, t2[-3000:]  # on each node, the newest committed
+    # ... but its shard files: each node's rank fetched those its load reads, its own and rank 0's.
+    fetched = re.findall(rf"fetched from storage \d+ file\(s\) of step-{max(up):08d} this node's ranks read: (.*) \(", t2)
+    assert sorted(fetched) == ["__0_0.distcp", "__0_0.distcp, __1_0.distcp"], t2[-3000:]
     assert tries[1].resumed_step == max(up), tries[1]
     assert re.search(rf"resumed from \S*step-{max(up):08d} \(epoch \d+, step {max(up)}\)", t2), t2[-3000:]
     # Rank 0 of try 2 went on with the run's curve history (node 0 pulled it): the view's curves start at

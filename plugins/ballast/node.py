@@ -9,7 +9,8 @@ changes only its directories (`node_config`). Each node then, on its own:
    (`ballast.stages.warm_cache.warm`), every stage before training starts;
 2. finds the checkpoints: with a shared file system (storage is a path every node sees, as on a Slurm
    cluster) training commits straight into the run's checkpoint directory; with object storage the
-   node pulls the checkpoint it resumes from (only that one, every file of it) and pushes each newly
+   node pulls the checkpoint it resumes from (only that one; with several nodes, without its shard
+   files, which its ranks fetch with `--fetch` as they plan their loads) and pushes each newly
    committed one back (files, then manifest, then the COMMITTED marker; storage pruned to keep_last),
    while training runs and once it ends. With several nodes each node's directory holds its own ranks'
    files (`checkpoint.node_local`): every node pushes its share, and node 0 writes the manifest and
@@ -86,6 +87,9 @@ def _read_job(ref: str) -> NodeJob:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ballast.node", description=__doc__.splitlines()[0])
     p.add_argument("--job", required=True, help="the try's job file: a path, or s3://bucket/key")
+    p.add_argument("--fetch", nargs="+", metavar="ARG",
+                   help="DIRECTORY NAME...: copy these files of the node-local checkpoint DIRECTORY from storage"
+                        " (what the node's ranks run when they resume; `checkpoint.fetch`), then exit")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[node %(rank)s] %(message)s")
     rank = node_rank()
@@ -93,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     from ballast.errors import BallastError
 
     try:
-        return run(_read_job(args.job), rank)
+        if args.fetch:
+            return fetch(_read_job(args.job), Path(args.fetch[0]), args.fetch[1:])
+        return run(_read_job(args.job), rank, job_ref=args.job)
     except BallastError as exc:
         log.error("%s", exc)
         from ballast.training.failure import EXIT_CODES
@@ -111,8 +117,26 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def run(job: NodeJob, rank: int) -> int:
+def _context(job: NodeJob, spec: Any = None) -> Any:
     from ballast.pipeline.context import RunContext
+    from ballast.spec import Spec
+
+    return RunContext(spec=spec or Spec.model_validate(job.spec), dag_id=job.dag_id, run_id=job.run_id,
+                      try_number=job.try_number, log=log, task_id=job.task_id, spec_file=job.spec_file)
+
+
+def fetch(job: NodeJob, directory: Path, names: list[str]) -> int:
+    """`--fetch DIRECTORY NAME...`: the named files of a node-local checkpoint, from the run's storage."""
+    import time
+
+    t0 = time.monotonic()
+    copied = checkpoint_sync.fetch(_context(job), directory, names)
+    log.info("fetched %d file(s), %.1f MiB, of %s from storage in %.2fs", len(names), copied / 2**20,
+             directory.name, time.monotonic() - t0)
+    return 0
+
+
+def run(job: NodeJob, rank: int, *, job_ref: str | None = None) -> int:
     from ballast.launch.config import torchrun_argv
     from ballast.spec import Spec
     from ballast.stages.warm_cache import dataset_dir, warm
@@ -127,8 +151,7 @@ def run(job: NodeJob, rank: int) -> int:
         or str(ballast_home() / "cache")
     data["cache"] = {**(data.get("cache") or {}), "directory": str(Path(base) / f"node-{host}")}
     spec = Spec.model_validate(data)
-    ctx = RunContext(spec=spec, dag_id=job.dag_id, run_id=job.run_id, try_number=job.try_number, log=log,
-                     task_id=job.task_id, spec_file=job.spec_file)
+    ctx = _context(job, spec)
     log.info("node %d of %d on %s: try %d of %s", rank, spec.training.nodes, host, job.try_number, job.dag_id)
     cachedir.hold(dataset_dir(ctx))  # from its warm-up to the end of training: no other run's warm-up evicts it
     cache = warm(ctx, list(range(len(spec.cache.phases))), record_progress=False)
@@ -140,12 +163,16 @@ def run(job: NodeJob, rank: int) -> int:
         work = Path(os.environ.get("BALLAST_WORK_DIR") or ctx.work_dir) / f"try-{job.try_number}-node{rank}"
         out_dir, ckpt_dir = work / "train", work / "checkpoints"
         out_dir.mkdir(parents=True, exist_ok=True)
-        pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir)
-        log.info("checkpoints from storage: %s (what this node resumes from, no more)", ", ".join(pulled) or "none")
+        several = spec.training.nodes > 1  # shard files: fetched by the ranks that read them
+        pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir, shards=not several)
+        log.info("checkpoints from storage: %s (what this node resumes from, no more%s)", ", ".join(pulled) or "none",
+                 "; its shard files as this node's ranks read them" if several else "")
         pulled_history = pull_history(ctx, out_dir)  # on every node: global rank 0 may be on any of them
     config_path = out_dir / f"run-node{rank}.json"
+    node_local = not shared and spec.training.nodes > 1
+    fetch_argv = [sys.executable, "-m", "ballast.node", "--job", job_ref, "--fetch"] if node_local and job_ref else None
     node_config(job, out_dir=out_dir, checkpoint_dir=ckpt_dir, data_dir=cache.cache_dir, data_format=cache.format,
-                node_local=not shared and spec.training.nodes > 1).dump(config_path)
+                node_local=node_local, fetch=fetch_argv).dump(config_path)
     argv = torchrun_argv(spec, config_path, rdzv_endpoint=os.environ.get(RDZV_ENV), run_id=job.name)
     log.info("launching: %s", " ".join(argv))
     env = {**os.environ, "BALLAST_HOST": host}
@@ -163,17 +190,19 @@ def run(job: NodeJob, rank: int) -> int:
 
 
 def node_config(job: NodeJob, *, out_dir: Path, checkpoint_dir: Path, data_dir: str, data_format: str,
-                node_local: bool = False):
+                node_local: bool = False, fetch: list[str] | None = None):
     """The job's run config with this node's directories (and the format its cache holds; `node_local`:
-    the checkpoint directory is this node's own, one of several): every setting, the try's adapted
-    micro-batch included, is the one the train task wrote; nothing in the node's environment changes it."""
+    the checkpoint directory is this node's own, one of several, and `fetch` the command its ranks copy
+    checkpoint files from storage with): every setting, the try's adapted micro-batch included, is the
+    one the train task wrote; nothing in the node's environment changes it."""
     from ballast.training.config.run import RunConfig
 
     cfg = RunConfig.model_validate(job.run_config)
     return cfg.model_copy(update={
         "output_dir": str(out_dir),
         "data": cfg.data.model_copy(update={"directory": data_dir, "format": data_format}),
-        "checkpoint": cfg.checkpoint.model_copy(update={"directory": str(checkpoint_dir), "node_local": node_local})})
+        "checkpoint": cfg.checkpoint.model_copy(update={"directory": str(checkpoint_dir), "node_local": node_local,
+                                                        "fetch": fetch})})
 
 
 def outputs_prefix(run_key: str, try_number: int, node: int | None = None) -> str:

@@ -102,7 +102,7 @@ def verify(path: Path, *, held_only: bool = False, share: tuple[int, int] | None
 
     `held_only`: a node-local directory (with `local-files.json`) passes when the files this node holds
     match the manifest; the others are on other nodes' disks (and in storage). `share` (part, parts):
-    hash only this part's files (every `parts`-th of the manifest's sorted names, from `part`), the
+    hash only this part's files (every `parts`-th of the sorted names of the files checked, from `part`), the
     others' sizes still checked: ranks that split a check and agree on the outcome read each file once."""
     path = Path(path)
     if not path.is_dir():
@@ -118,7 +118,8 @@ def verify(path: Path, *, held_only: bool = False, share: tuple[int, int] | None
     if held is not None and not held_only:
         raise CheckpointFailure(f"{path}: holds only this node's files of the checkpoint ({LOCAL_FILES}); the"
                                 f" whole checkpoint is in storage once every node pushed its share")
-    mine = set(sorted(files)[share[0]::share[1]]) if share else set(files)
+    present = sorted(held if held is not None else files)
+    mine = set(present[share[0]::share[1]]) if share else set(present)
     for name, meta in files.items():
         f = path / name
         if "/" in name or (name.startswith(".") and name != DCP_METADATA):

@@ -75,13 +75,18 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
     check it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.utils.serialization import config
 
     digests: dict[str, tuple[str, int]] = {}
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
     writer.fs = _hashing_file_system(digests, staging)
+    # What every rank holds alike (the optimizer's step counts, unsharded buffers: small) goes to rank 0's
+    # file, not spread over every file: a rank resuming reads its own shards' files and rank 0's, never
+    # every file for a scalar each (what a node of several fetches from storage: `needed_files`).
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with config.patch({"save.compute_crc32": False}):
-        dcp.save(state, storage_writer=writer, process_group=group)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
     names = sorted(p.name for p in Path(directory).glob(f"__{rank}_*.distcp"))
     return {**{n: digests.get(n) for n in names}, **({DCP_METADATA: None} if rank == 0 else {})}
 
@@ -165,6 +170,18 @@ def read_into(model: Any, optimizer: Any, path: Path, *, groups: list[dict[str, 
                    optim_state_dict={"state": state[OPTIM], "param_groups": groups})
 
 
+def needed_files(model: Any, optimizer: Any, path: Path) -> set[str]:
+    """The shard files that a load of the checkpoint at `path` into this rank's shards reads (DCP's own
+    load plan for this rank, at this run's world size): what a node must hold before `read_into`."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    state, _ = sharded_state(model, optimizer)
+    meta = metadata(path)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, meta, is_coordinator=False)
+    return {meta.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+
+
 def average_into(model: Any, paths: list[Path], *, group: Any) -> None:
     """Set `model`'s weights to the mean of the model weights of the checkpoints at `paths`, shard by
     shard: each rank reads and averages only its own pieces (float64 sums)."""
@@ -232,12 +249,13 @@ class _Checker:
         raise CheckpointFailure(f"{item.storage_index.fqn}: a pickled value in a Ballast checkpoint")
 
 
-def check(path: Path, *, share: tuple[int, int] | None = None) -> None:
+def check(path: Path, *, share: tuple[int, int] | None = None, files: set[str] | None = None) -> None:
     """The gate's contents check of a sharded checkpoint: tensors only (no pickled value), and every
     floating-point piece finite; a failure names the shard file. Each shard file's pieces are read
     through DCP's reader, a bounded batch of pieces at a time, each into a tensor of the piece's own size
     (never a whole tensor). `share` (part, parts): only every `parts`-th of the shard files, from `part`
-    (the ranks that split the gate read each file once between them, each whole files of its own)."""
+    (the ranks that split the gate read each file once between them, each whole files of its own);
+    `files`: only these shard files (a node's own, of a checkpoint whose other files are on other nodes)."""
     import torch
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
@@ -250,7 +268,7 @@ def check(path: Path, *, share: tuple[int, int] | None = None) -> None:
         raise CheckpointFailure(f"{path / DCP_METADATA}: holds pickled values ({', '.join(pickled[:3])}); a Ballast"
                                 " checkpoint holds tensors only, refusing to unpickle")
     pieces = _pieces(meta)
-    names = sorted(pieces)
+    names = sorted(n for n in pieces if files is None or n in files)
     read = reader(path)
     read.set_up_storage_reader(meta, is_coordinator=False)
 

@@ -40,16 +40,20 @@ Probe = Callable[[Path, dict[str, Any]], float]
 
 
 def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None,
-          share: tuple[int, int] | None = None, probe_sharded: bool = True) -> dict[str, Any]:
+          share: tuple[int, int] | None = None, probe_sharded: bool = True, held_only: bool = False) -> dict[str, Any]:
     """Raise CheckpointFailure naming the first thing wrong with `path`; return its trainer state.
     `share` (part, parts): check only this part of the files' hashes and tensors (`latest_passing`'s
     ranks split the check and agree on it). `probe_sharded` false: a sharded checkpoint gets no forward
-    pass (it would gather the whole model in this process), only its hashes and every tensor's values."""
+    pass (it would gather the whole model in this process), only its hashes and every tensor's values.
+    `held_only`: a node-local directory (`local-files.json`) is checked on the files it holds, `share`
+    splitting those; the others are other nodes' to check."""
     import torch
 
     path = Path(path)
-    manifest = verify(path, share=share)
-    mine = set(sorted(manifest["files"])[share[0]::share[1]]) if share else set(manifest["files"])
+    manifest = verify(path, share=share, held_only=held_only)
+    held = held_files(path) if held_only else None
+    present = sorted(held if held is not None else manifest["files"])
+    mine = set(present[share[0]::share[1]]) if share else set(present)
     state = read_trainer_state(path)
     if state.get("step") != _step_of(path):
         raise CheckpointFailure(f"{path}: trainer.json records step {state.get('step')!r}, the directory says"
@@ -58,7 +62,7 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
         raise CheckpointFailure(f"{path}: step {state['step']} is behind step {min_step}, which an earlier"
                                 f" stage already verified; the step must not go backwards")
     weights: dict[str, Any] = {}
-    for name in sorted(manifest["files"]):
+    for name in present:
         if not name.endswith(".pt") or (name not in mine and not (probe is not None and name == "model.pt")):
             continue
         tensors = load_tensors(path / name)
@@ -70,7 +74,7 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
     if DCP_METADATA in manifest["files"]:  # sharded (FSDP): DCP's shards, read a bounded batch at a time
         from ballast.training.checkpoint import dcp
 
-        dcp.check(path, share=share)
+        dcp.check(path, share=share, files=None if held is None else held)
         if not probe_sharded:
             probe = None
         if probe is not None:
@@ -116,25 +120,36 @@ def quarantine(path: Path, reason: str) -> Path:
 def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | None = None,
                    quarantine_failures: bool = True, log: Callable[[str], Any] = print,
                    share: tuple[int, int] | None = None, probe_sharded: bool = True,
-                   agree: Callable[[Any], list[Any]] | None = None) -> Path | None:
+                   agree: Callable[[Any], list[Any]] | None = None,
+                   prepare: Callable[[Path], str | None] | None = None,
+                   node_share: tuple[int, int] | None = None) -> Path | None:
     """The newest committed checkpoint under `root` that passes `check`; the newer ones that fail are
     quarantined (or only skipped, with `quarantine_failures=False`: the trainer's ranks read, the
     orchestrator moves). `share` and `agree`: the trainer's ranks each check their share of every
     checkpoint (its files hashed once, its shard files' pieces read once between them, not once per rank);
     `agree(value)` gives every rank each rank's value (collectively): first the checkpoints each rank
     sees (the ones all see are the candidates: a node's disk may hold one its peers lack), then each
-    rank's failure (or None) for each candidate, so that all take the same one."""
+    rank's failure (or None) for each candidate, so that all take the same one.
+
+    A node-local directory (its node's share of the checkpoint, `local-files.json`) is a candidate only
+    with `prepare`: `prepare(path)` (collective) makes it whole for what this node's ranks read (their
+    files copied from storage) or says why not; then each node checks the files it holds, its ranks
+    splitting them by `node_share` (local rank, ranks on the node)."""
     candidates = list(reversed(committed(root)))
     if agree is not None:
-        candidates = [p for p in candidates if held_files(p) is None]  # a node's share: never resumed from
+        if prepare is None:
+            candidates = [p for p in candidates if held_files(p) is None]  # a node's share: never resumed from
         seen = [set(names) for names in agree([p.name for p in candidates])]
         candidates = [p for p in candidates if all(p.name in names for names in seen)]
     for path in candidates:
         if min_step is not None and _step_of(path) < min_step:
             log(f"no checkpoint at or after step {min_step} passes the gate; {path.name} and older are behind it")
             return None  # older ones are not damaged, only too old: left where they are
-        failure = agreed_failure(path, share=share, agree=agree, probe=probe, min_step=min_step,
-                                 probe_sharded=probe_sharded)
+        held = prepare is not None and node_local(path)
+        failure = prepare(path) if held else None
+        if failure is None:
+            failure = agreed_failure(path, share=node_share if held else share, agree=agree, probe=probe,
+                                     min_step=min_step, probe_sharded=probe_sharded, held_only=held)
         if failure is None:
             return path
         if quarantine_failures:
@@ -143,6 +158,14 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
         else:
             log(f"checkpoint skipped: {failure}")
     return None
+
+
+def node_local(path: Path) -> bool:
+    """Whether `path` is a node-local directory (an unreadable `local-files.json` counts: the check names it)."""
+    try:
+        return held_files(path) is not None
+    except CheckpointFailure:
+        return True
 
 
 def agreed_failure(path: Path, *, share: tuple[int, int] | None = None,

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from ballast.training.checkpoint import dcp
 from ballast.training.checkpoint.average import average
-from ballast.training.checkpoint.commit import (MODEL_KEY, TRAINER_STATE, committed, read_trainer_state,
-                                                recorded_model)
+from ballast.training.checkpoint.commit import (DCP_METADATA, MANIFEST, MODEL_KEY, TRAINER_STATE, committed,
+                                                held_files, read_trainer_state, recorded_model)
 from ballast.training.checkpoint.fileio import load_tensors
 from ballast.training.checkpoint.saver import AsyncSaver
 from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
@@ -27,6 +27,10 @@ from ballast.training.config.run import CheckpointConfig, ModelConfig
 from ballast.training.failure import CheckpointFailure
 from ballast.training.outputs import trainer_state
 from ballast.training.state import TrainState
+
+FETCH_MARGIN_SECONDS = 30.0
+"""The rank that copies a node's missing checkpoint files from storage has the process group's timeout
+less this: the other ranks wait for it in a collective, and it reports its failure before they give up."""
 
 
 class CheckpointManager:
@@ -141,7 +145,8 @@ class CheckpointManager:
         newer ones that fail are skipped here and quarantined by the orchestrator."""
         from ballast.training.checkpoint.gate import latest_passing
 
-        return latest_passing(self.root, quarantine_failures=False, log=self.log, **self._split_gate())
+        return latest_passing(self.root, quarantine_failures=False, log=self.log, **self._split_gate(),
+                              **self._node_local_gate())
 
     def _split_gate(self) -> dict[str, Any]:
         """With several ranks, they split the gate (each its share of the files' hashes and of the
@@ -151,11 +156,79 @@ class CheckpointManager:
         return {"share": (self.dist.rank, self.dist.world),
                 "agree": lambda value: gather_json(value, self.dist.ckpt_group)}
 
+    def _node_local_gate(self) -> dict[str, Any]:
+        """A node-local directory may be resumed from once what this node's ranks read is here (`fetch`),
+        each node checking the files it holds, split between its ranks."""
+        if not (self.cfg.node_local and self.cfg.fetch and self.dist.enabled):
+            return {}
+        return {"prepare": self._fetch_missing, "node_share": (self.dist.local_rank, self.dist.local_world)}
+
+    def _fetch_missing(self, path: Path) -> str | None:
+        """Collective: the files of checkpoint `path` that this node's ranks read (a sharded one's: DCP's
+        load plan of each rank; otherwise every file) and its directory lacks, copied from storage by one
+        rank per directory (the launcher's `fetch` command, which checks each against the manifest).
+        Returns why it could not be done (the same on every rank), or None."""
+        import socket
+
+        failure, needed = None, set()
+        try:
+            files = json.loads((path / MANIFEST).read_text())["files"]
+            held = held_files(path)
+            held = set(files) if held is None else held
+            if DCP_METADATA in files:
+                if DCP_METADATA not in held:
+                    raise CheckpointFailure(f"{path}: this node does not hold DCP's {DCP_METADATA}")
+                needed = dcp.needed_files(self.model, self.optimizer, path)
+            else:
+                needed = set(files)
+        except (CheckpointFailure, OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            failure = str(exc) if isinstance(exc, CheckpointFailure) else \
+                f"{path}: cannot plan which of its files this rank reads ({dcp.first_line(exc)})"
+        here = [socket.gethostname(), str(self.root.resolve())]  # ranks sharing this directory
+        everyone = gather_json([here, sorted(needed), failure], self.dist.ckpt_group)
+        failure = next((f for _, _, f in everyone if f), None)
+        if failure:
+            return failure
+        peers = [r for r, (where, _, _) in enumerate(everyone) if where == here]
+        if self.dist.rank == peers[0]:
+            missing = sorted(set().union(*(everyone[r][1] for r in peers)) - held)
+            failure = self._fetch(path, missing) if missing else None
+        return next((f for f in gather_json(failure, self.dist.ckpt_group) if f), None)
+
+    def _fetch(self, path: Path, names: list[str]) -> str | None:
+        """The launcher's fetch command for `names`, ended with this rank if it dies (parent-death signal)."""
+        import os
+        import subprocess
+        import sys
+
+        t0 = time.monotonic()
+        limit = max(1.0, self.dist.cfg.timeout_seconds - FETCH_MARGIN_SECONDS)
+        argv = [sys.executable, "-m", "ballast.training.parentdeath", "--parent", str(os.getpid()), "--signal",
+                "KILL", "--", *self.cfg.fetch, str(path), *names]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{path}: could not fetch {len(names)} file(s) from storage ({exc})"
+        if done.returncode != 0:
+            why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            return f"{path}: could not fetch {len(names)} file(s) from storage ({why[:500]})"
+        # Every node's own line (the trainer's log is rank 0's alone): what this node read from storage.
+        print(f"[train] rank {self.dist.rank}: fetched from storage {len(names)} file(s) of {path.name} this node's"
+              f" ranks read: {', '.join(names)} ({time.monotonic() - t0:.2f}s)", flush=True)
+        return None
+
     def _passes(self, path: Path) -> bool:
         """Whether `path` passes the gate (split between the ranks, which all get the same answer)."""
         from ballast.training.checkpoint.gate import agreed_failure
+        from ballast.training.checkpoint.gate import node_local as is_node_local
 
-        failure = agreed_failure(path, **self._split_gate())
+        node_local = self._node_local_gate()
+        if node_local and is_node_local(path):
+            failure = self._fetch_missing(path) or agreed_failure(
+                path, share=node_local["node_share"], held_only=True,
+                agree=self._split_gate()["agree"])
+        else:
+            failure = agreed_failure(path, **self._split_gate())
         if failure:
             self.log(f"not averaged: {failure}")
         return failure is None

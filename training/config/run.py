@@ -104,6 +104,11 @@ class CheckpointConfig(CheckpointSettings):
     node_local: bool = False
     """`directory` is this node's own (a cluster node on object storage): each node commits its own ranks'
     files there, with the whole manifest (training.checkpoint.commit); the node pushes them to storage."""
+    fetch: list[str] | None = None
+    """With `node_local`: the command (an argument list; the checkpoint directory and file names are
+    appended) that copies files of a checkpoint committed in storage into this node's directory, each
+    checked against the manifest's sha256 (`python -m ballast.node --job REF --fetch`): a resume reads
+    from storage only the shard files this node's ranks read."""
     init_weights: str | None = None
     """A tensor file of model weights to start from when there is no checkpoint to resume (a warm
     start from a published model); loaded without unpickling."""

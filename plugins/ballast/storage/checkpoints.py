@@ -22,13 +22,23 @@ names is in storage with its size and every one of them came with a node's PUSHE
 manifest (a file of an earlier save of the same step does not count). Until then the checkpoint stays
 uncommitted in storage: a crash between two nodes' pushes leaves the previous checkpoint the newest
 committed one. Node 0 takes a replaced checkpoint's marker down first; another node does not push over
-a committed checkpoint with another manifest, it waits for that. A node resuming pulls every file.
+a committed checkpoint with another manifest, it waits for that.
+
+A node of several resuming pulls every file but DCP's shard files (`pull_for_resume(shards=False)`):
+a node-local directory of the files it holds. Its ranks, once the rendezvous says which ranks they are,
+plan their loads (DCP's load plan: the shard files each reads, at this run's world size) and one of
+them runs the launcher's `fetch` for the files the node's ranks read and it lacks, each checked against
+the manifest's sha256 before it takes its place. Each node then checks the files it holds, and the
+nodes agree (`training.checkpoint.gate`): a node reads from storage what its ranks read, not the whole
+checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -40,6 +50,7 @@ from ballast.storage import Storage, safe_join
 
 
 PULLING = ".pulling"  # where a pulled checkpoint waits for its check, beside the checkpoints
+SHARD_SUFFIX = ".distcp"  # DCP's shard files: what a node of several fetches only as its ranks read them
 PUSHED = "PUSHED-node{node}.json"  # a node's record that its files of a checkpoint are in storage
 
 
@@ -81,23 +92,28 @@ def _present(storage: Storage, base: str, name: str, listing: set[str]) -> bool:
     return name in listing or (name.startswith(".") and storage.exists(base + name))
 
 
-def pull_for_resume(ctx: RunContext, ckpt_dir: Path) -> list[str]:
+def pull_for_resume(ctx: RunContext, ckpt_dir: Path, *, shards: bool = True) -> list[str]:
     """What a node resumes from, and nothing else: the newest checkpoint in storage that passes the
     trainer's resume gate here (`training.checkpoint.gate.check` without a probe; the last
-    `resume_average_last` of them when resuming from their average); none without resume."""
+    `resume_average_last` of them when resuming from their average); none without resume.
+
+    `shards` false (one node of several, `checkpoint.node_local`): every file but DCP's shard files,
+    which the trainer's ranks fetch once they know which of them they read (`fetch`); the directory is
+    then this node's share of the checkpoint (`local-files.json`), checked on the files it holds."""
     from ballast.training.checkpoint import gate
 
     settings = ctx.spec.training.checkpoint
     return pull(ctx, ckpt_dir, newest=max(1, settings.resume_average_last) if settings.resume else 0,
-                check=gate.check)
+                check=gate.check if shards else functools.partial(gate.check, held_only=True), shards=shards)
 
 
 def pull(ctx: RunContext, ckpt_dir: Path, *, newest: int | None = None,
-         check: Callable[[Path], object] | None = None) -> list[str]:
+         check: Callable[[Path], object] | None = None, shards: bool = True) -> list[str]:
     """Copy the committed checkpoints in storage that this disk lacks, newest first, until `newest` of
     them are here (None: all); the names pulled, oldest first. Each is downloaded beside its final place
-    and moved there only once it passes `check` (default: `training.checkpoint.verify`); one that does
-    not is logged and skipped."""
+    and moved there only once it passes `check` (default: `training.checkpoint.verify`, on the files held
+    without `shards`); one that does not is logged and skipped. `shards` false: without DCP's shard files
+    (`pull_for_resume`)."""
     from ballast.training import checkpoint as ckpt
 
     prefix = _prefix(ctx)
@@ -106,25 +122,32 @@ def pull(ctx: RunContext, ckpt_dir: Path, *, newest: int | None = None,
     for name in reversed(stored(ctx.storage, prefix)):
         if newest is not None and ready >= newest:
             break
-        if name in have or _pull_one(ctx, prefix, name, ckpt_dir, check or ckpt.verify):
+        check = check or (ckpt.verify if shards else functools.partial(ckpt.verify, held_only=True))
+        if name in have or _pull_one(ctx, prefix, name, ckpt_dir, check, shards=shards):
             ready += 1
             pulled += [] if name in have else [name]
     return sorted(pulled)
 
 
-def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path, check: Callable[[Path], object]) -> bool:
+def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path, check: Callable[[Path], object], *,
+              shards: bool = True) -> bool:
     from ballast.training import checkpoint as ckpt
 
     files = stored_files(ctx.storage, prefix, name)
     if files is None:
         return False
+    kept = files if shards else [f for f in files if not f.endswith(SHARD_SUFFIX)]
     # Downloaded under its own name (what the checks read) in a directory no reader of ckpt_dir lists.
     staging, final = safe_join(ckpt_dir, PULLING), safe_join(ckpt_dir, name)
     tmp = staging / name
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        for f in files:
+        for f in kept[:-1]:  # the marker (last) once the rest is here
             ctx.storage.download(f"{prefix}{name}/{f}", tmp / f)
+        if len(kept) < len(files):  # this node's share of it: what it holds
+            held = [f for f in kept if f not in (ckpt.MANIFEST, ckpt.COMMIT_MARKER)]
+            (tmp / ckpt.LOCAL_FILES).write_text(json.dumps({"files": held}))
+        ctx.storage.download(f"{prefix}{name}/{kept[-1]}", tmp / kept[-1])
         check(tmp)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)  # no half-pulled directory stays on the disk
@@ -138,6 +161,49 @@ def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path, check: Ca
     tmp.rename(final)
     shutil.rmtree(staging, ignore_errors=True)
     return True
+
+
+def fetch(ctx: RunContext, path: Path, names: list[str]) -> int:
+    """Copy the files `names` of the node-local checkpoint directory `path` from storage: only from the
+    checkpoint committed there under this very manifest, each downloaded beside its place and moved
+    there once its size and sha256 match the manifest; then `local-files.json` names them too. Returns
+    the bytes copied. What a node's ranks run (`checkpoint.fetch`) for the shard files they read."""
+    from ballast.training import checkpoint as ckpt
+
+    path = Path(path)
+    base = f"{_prefix(ctx)}{path.name}/"
+    try:
+        files = json.loads((path / ckpt.MANIFEST).read_text())["files"]
+        held = ckpt.held_files(path)
+    except (OSError, ValueError, KeyError, TypeError, ckpt.CheckpointFailure) as exc:
+        raise StorageError(f"{path}: not a checkpoint directory to fetch into ({exc})") from exc
+    if held is None:
+        raise StorageError(f"{path}: holds the whole checkpoint (no {ckpt.LOCAL_FILES}); nothing to fetch")
+    unknown = sorted(n for n in names if n not in files)
+    if unknown:
+        raise StorageError(f"{path / ckpt.MANIFEST}: does not list {', '.join(unknown[:3])}; only its files"
+                           " are fetched")
+    if not _pushed(ctx.storage, base, path):
+        raise StorageError(f"{ctx.storage.describe(base.rstrip('/'))}: not committed in storage with this"
+                           " checkpoint's manifest; the files of its other nodes are not all there")
+    wanted, copied = sorted(set(names) - held), 0
+    for name in wanted:
+        final = safe_join(path, name)
+        part = final.with_name(f".fetch-{name}")
+        ctx.storage.download(base + name, part)
+        try:
+            if part.stat().st_size != files[name]["size"] or ckpt.sha256_file(part) != files[name]["sha256"]:
+                raise StorageError(f"{ctx.storage.describe(base + name)}: size or sha256 does not match"
+                                   f" {path / ckpt.MANIFEST}")
+            os.replace(part, final)
+        finally:
+            part.unlink(missing_ok=True)
+        copied += files[name]["size"]
+    if wanted:
+        listing = path / f".{ckpt.LOCAL_FILES}.tmp"
+        listing.write_text(json.dumps({"files": sorted(held | set(wanted))}))
+        os.replace(listing, path / ckpt.LOCAL_FILES)
+    return copied
 
 
 def push(ctx: RunContext, ckpt_dir: Path, *, node: int = 0, wait: float = 0.0) -> list[str]:
