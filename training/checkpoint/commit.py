@@ -102,7 +102,7 @@ def verify(path: Path, *, held_only: bool = False, share: tuple[int, int] | None
 
     `held_only`: a node-local directory (with `local-files.json`) passes when the files this node holds
     match the manifest; the others are on other nodes' disks (and in storage). `share` (part, parts):
-    hash only this part's files (every `parts`-th of the sorted names of the files checked, from `part`), the
+    hash only this part's files (`share_of` the files checked), the
     others' sizes still checked: ranks that split a check and agree on the outcome read each file once."""
     path = Path(path)
     if not path.is_dir():
@@ -118,8 +118,7 @@ def verify(path: Path, *, held_only: bool = False, share: tuple[int, int] | None
     if held is not None and not held_only:
         raise CheckpointFailure(f"{path}: holds only this node's files of the checkpoint ({LOCAL_FILES}); the"
                                 f" whole checkpoint is in storage once every node pushed its share")
-    present = sorted(held if held is not None else files)
-    mine = set(present[share[0]::share[1]]) if share else set(present)
+    mine = share_of(held if held is not None else files, share)
     for name, meta in files.items():
         f = path / name
         if "/" in name or (name.startswith(".") and name != DCP_METADATA):
@@ -137,6 +136,18 @@ def verify(path: Path, *, held_only: bool = False, share: tuple[int, int] | None
         raise CheckpointFailure(f"{path / LOCAL_FILES}: names files the manifest does not list"
                                 f" ({', '.join(sorted(held - set(files))[:3])})")
     return manifest
+
+
+def share_of(names: Any, share: tuple[int, int] | None) -> set[str]:
+    """Part `share[0]` of `parts` = `share[1]` of a checkpoint's file names, for ranks that split a check:
+    every `parts`-th of the sorted DCP shard files, and of the other files, each from `part`. The same
+    rank hashes a shard file and reads its pieces (`dcp.check`), so a damaged one is named by its hash."""
+    if share is None:
+        return set(names)
+    part, parts = share
+    shards = sorted(n for n in names if n.endswith(".distcp"))
+    rest = sorted(n for n in names if not n.endswith(".distcp"))
+    return set(shards[part::parts]) | set(rest[part::parts])
 
 
 def held_files(path: Path) -> set[str] | None:

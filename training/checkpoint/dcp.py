@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ballast.training.checkpoint.commit import DCP_METADATA
+from ballast.training.checkpoint.commit import DCP_METADATA, share_of
 from ballast.training.checkpoint.fileio import _FileWriter, load_tensors, staging_buffer
 from ballast.training.failure import CheckpointFailure
 
@@ -253,8 +253,8 @@ def check(path: Path, *, share: tuple[int, int] | None = None, files: set[str] |
     """The gate's contents check of a sharded checkpoint: tensors only (no pickled value), and every
     floating-point piece finite; a failure names the shard file. Each shard file's pieces are read
     through DCP's reader, a bounded batch of pieces at a time, each into a tensor of the piece's own size
-    (never a whole tensor). `share` (part, parts): only every `parts`-th of the shard files, from `part`
-    (the ranks that split the gate read each file once between them, each whole files of its own);
+    (never a whole tensor). `share` (part, parts): only this part's shard files (`commit.share_of`: the
+    ranks that split the gate read each file once between them, whole files, the ones they hashed);
     `files`: only these shard files (a node's own, of a checkpoint whose other files are on other nodes)."""
     import torch
     from torch.distributed.checkpoint.api import CheckpointException
@@ -289,7 +289,7 @@ def check(path: Path, *, share: tuple[int, int] | None = None, files: set[str] |
         if checker.bad:
             raise CheckpointFailure(f"{path / name}: non-finite values in {checker.bad[0]}")
 
-    for name in names[share[0]::share[1]] if share else names:
+    for name in sorted(share_of(names, share)):
         batch: list[tuple[Any, Any, Any]] = []
         size = 0
         for piece in pieces[name]:

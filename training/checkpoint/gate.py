@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ballast.training.checkpoint.commit import (DCP_METADATA, _step_of, committed, held_files, read_trainer_state,
-                                               verify)
+                                               share_of, verify)
 from ballast.training.checkpoint.fileio import load_tensors
 from ballast.training.failure import CheckpointFailure
 
@@ -53,7 +53,7 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
     manifest = verify(path, share=share, held_only=held_only)
     held = held_files(path) if held_only else None
     present = sorted(held if held is not None else manifest["files"])
-    mine = set(present[share[0]::share[1]]) if share else set(present)
+    mine = share_of(present, share)
     state = read_trainer_state(path)
     if state.get("step") != _step_of(path):
         raise CheckpointFailure(f"{path}: trainer.json records step {state.get('step')!r}, the directory says"
