@@ -499,11 +499,13 @@ def test_a_node_of_several_on_object_storage_commits_into_a_node_local_directory
     assert cfg.checkpoint.node_local is False  # the worker's own run config: one directory
     job = NodeJob(spec=spec.model_dump(mode="json"), dag_id=spec.dag_id, run_id="r", task_id="train", try_number=1,
                   name="t", run_config=cfg.model_dump(mode="json"), out_dir="/w/out", checkpoint_dir="/w/ckpt")
+    fetch = ["python", "-m", "ballast.node", "--job", "s3://ballast-bucket/job.json", "--fetch"]
     node = node_config(job, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", data_dir="/n/cache",
-                       data_format="petastorm", node_local=True)
+                       data_format="petastorm", node_local=True, fetch=fetch)
     assert node.checkpoint.node_local is True and node.checkpoint.directory == str(tmp_path / "ckpt")
-    assert node.checkpoint.model_dump(exclude={"directory", "node_local"}) \
-        == cfg.checkpoint.model_dump(exclude={"directory", "node_local"})
+    assert node.checkpoint.fetch == fetch and cfg.checkpoint.fetch is None
+    assert node.checkpoint.model_dump(exclude={"directory", "node_local", "fetch"}) \
+        == cfg.checkpoint.model_dump(exclude={"directory", "node_local", "fetch"})
     with pytest.raises(ValueError, match="needs the all-gather"):
         ckpt.Writer(tmp_path, 10, rank=0, barrier=lambda: None, node_local=True)
 

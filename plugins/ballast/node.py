@@ -156,6 +156,8 @@ def run(job: NodeJob, rank: int, *, job_ref: str | None = None) -> int:
     cachedir.hold(dataset_dir(ctx))  # from its warm-up to the end of training: no other run's warm-up evicts it
     cache = warm(ctx, list(range(len(spec.cache.phases))), record_progress=False)
     shared = ctx.storage.local_path(ctx.run_key) is not None
+    node_local = not shared and spec.training.nodes > 1  # this node's own checkpoint directory, one of several
+    fetch_argv = [sys.executable, "-m", "ballast.node", "--job", job_ref, "--fetch"] if node_local and job_ref else None
     if shared:
         out_dir, ckpt_dir = Path(job.out_dir), Path(job.checkpoint_dir)
     else:
@@ -163,14 +165,12 @@ def run(job: NodeJob, rank: int, *, job_ref: str | None = None) -> int:
         work = Path(os.environ.get("BALLAST_WORK_DIR") or ctx.work_dir) / f"try-{job.try_number}-node{rank}"
         out_dir, ckpt_dir = work / "train", work / "checkpoints"
         out_dir.mkdir(parents=True, exist_ok=True)
-        several = spec.training.nodes > 1  # shard files: fetched by the ranks that read them
-        pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir, shards=not several)
+        fetched = fetch_argv is not None  # shard files: fetched by the ranks that read them
+        pulled = checkpoint_sync.pull_for_resume(ctx, ckpt_dir, shards=not fetched)
         log.info("checkpoints from storage: %s (what this node resumes from, no more%s)", ", ".join(pulled) or "none",
-                 "; its shard files as this node's ranks read them" if several else "")
+                 "; its shard files as this node's ranks read them" if fetched else "")
         pulled_history = pull_history(ctx, out_dir)  # on every node: global rank 0 may be on any of them
     config_path = out_dir / f"run-node{rank}.json"
-    node_local = not shared and spec.training.nodes > 1
-    fetch_argv = [sys.executable, "-m", "ballast.node", "--job", job_ref, "--fetch"] if node_local and job_ref else None
     node_config(job, out_dir=out_dir, checkpoint_dir=ckpt_dir, data_dir=cache.cache_dir, data_format=cache.format,
                 node_local=node_local, fetch=fetch_argv).dump(config_path)
     argv = torchrun_argv(spec, config_path, rdzv_endpoint=os.environ.get(RDZV_ENV), run_id=job.name)

@@ -145,7 +145,7 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
         if min_step is not None and _step_of(path) < min_step:
             log(f"no checkpoint at or after step {min_step} passes the gate; {path.name} and older are behind it")
             return None  # older ones are not damaged, only too old: left where they are
-        held = prepare is not None and node_local(path)
+        held = prepare is not None and (any(agree(node_local(path))) if agree else node_local(path))  # alike on all
         failure = prepare(path) if held else None
         if failure is None:
             failure = agreed_failure(path, share=node_share if held else share, agree=agree, probe=probe,

@@ -223,7 +223,7 @@ class CheckpointManager:
         from ballast.training.checkpoint.gate import node_local as is_node_local
 
         node_local = self._node_local_gate()
-        if node_local and is_node_local(path):
+        if node_local and any(gather_json(is_node_local(path), self.dist.ckpt_group)):  # the same path on every rank
             failure = self._fetch_missing(path) or agreed_failure(
                 path, share=node_local["node_share"], held_only=True,
                 agree=self._split_gate()["agree"])
