@@ -377,6 +377,15 @@ def test_fsdp_on_two_nodes_pushes_real_shards_per_node_and_resumes_from_storage_
     assert sorted(fetched) == [["__0_0.distcp"], ["__0_0.distcp, __1_0.distcp"]], fetched
     later = [p for p in ckpt.committed(tmp_path / "next" / "node1" / "ckpt") if ckpt.step_of_name(p.name) > step]
     assert later and len({n for n in ckpt.held_files(later[-1]) if n.endswith(".distcp")}) == 1
+    # Storage no longer vouching for it (its marker taken down after the pull): the fetch is refused, every
+    # node skips it, and the group starts over rather than resume from part of it.
+    for n in range(NODES):
+        assert sync.pull_for_resume(ctx, tmp_path / "third" / f"node{n}" / "ckpt", shards=False) == [newest.name]
+    ctx.storage.delete(f"{ctx.run_key}/checkpoints/{newest.name}/{ckpt.COMMIT_MARKER}")
+    out = "".join(_two_agents(tmp_path / "third", digits_cache, epochs=1, port=free_port(),
+                              fetch=_fetch_command(ctx, tmp_path)))
+    assert re.search(rf"checkpoint skipped: \S*{newest.name}: could not fetch .*not committed in storage", out), out[-3000:]
+    assert "starting from scratch" in out and "resumed from" not in out
 
 
 def _fetch_command(ctx, tmp_path: Path) -> list[str]:
