@@ -225,6 +225,17 @@ def test_a_dcp_checkpoints_metadata_is_unpickled_with_dcps_own_classes_only(tmp_
                                                 r" builtins\.print is not part of a DCP checkpoint's metadata\)"):
         dcp.metadata(tmp_path / "evil")
 
+    class Inside:  # a function of DCP's own modules (one that unpickles a file itself)
+        def __reduce__(self):
+            from torch.distributed.checkpoint import format_utils
+
+            return (format_utils.torch_save_to_dcp, (str(tmp_path / "x.pt"), str(tmp_path / "y")))
+
+    (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(Inside()))
+    with pytest.raises(CheckpointFailure, match=r"format_utils\.torch_save_to_dcp is not part of a DCP checkpoint's"):
+        dcp.metadata(tmp_path / "evil")
+    assert not (tmp_path / "y").exists()
+
 
 def test_the_gate_refuses_a_dcp_checkpoint_holding_pickled_values(tmp_path):
     import torch

@@ -29,9 +29,14 @@ MODEL, OPTIM = "model", "optim"
 GROUPS_FILE = "optim_groups.json"
 """The optimizer's parameter groups (hyper-parameters and the names of their parameters), as JSON."""
 _CHECK_BYTES = 64 << 20  # the gate reads pieces in batches of about this size (one larger piece alone)
-_SAFE_MODULES = ("torch.distributed.checkpoint.",)
 _SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
-                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path")}
+                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"),
+                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                 *(("torch.distributed.checkpoint.metadata", name) for name in (
+                     "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                     "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
+"""What DCP's `.metadata` pickle may name: its metadata classes, torch sizes and dtypes, paths; no
+function (a module prefix would let a pickle call any function in DCP's modules)."""
 
 
 def sharded_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -126,9 +131,12 @@ def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = Non
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_SAFE_MODULES) or (module, name) in _SAFE_GLOBALS or (
-                module == "torch" and name.endswith(("32", "64", "16", "8", "bool"))):  # dtypes: torch.float32...
+        import torch
+
+        if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):  # torch.float32...
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
