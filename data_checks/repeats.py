@@ -87,7 +87,7 @@ class Repeats:
                 self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.dir = Path(tempfile.mkdtemp(prefix="ballast-repeats-", dir=self.directory))  # 0700: its own
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
-            self.parts = _Partitions([self.dir / f"p{i:03d}.arrows" for i in range(self.partitions)], level=0)
+            self.parts = _Partitions(self.dir / "p", self.partitions, level=0)
         held, self.held, self.held_bytes = self.held, [], 0
         chunk, size = [], 0
         for i, frame in enumerate(held):  # written in chunks of an eighth of the budget: never a second copy of it all
@@ -115,8 +115,8 @@ class Repeats:
                 if self.held:
                     self._spill()
                 self.parts.close()
-                for f in self.parts.files:
-                    self._judge_file(f, 0, found, picked, rows)
+                for files in self.parts.files:
+                    self._judge_file(files, 0, found, picked, rows)
         finally:
             self.close()
         if self.want_rows:
@@ -144,61 +144,65 @@ class Repeats:
                 if self.examples:
                     picked.append(bad.head(self.examples))
 
-    def _judge_file(self, path: Path, level: int, found: Found, picked: list, rows: list) -> None:
-        """One partition: judged whole if it is under a quarter of the budget (judging it takes a few copies),
-        else split by the next hash and each part judged in turn."""
-        import pyarrow as pa
+    def _judge_file(self, paths: list[Path], level: int, found: Found, picked: list, rows: list) -> None:
+        """One partition (its files: one per run of batches of one dtype): judged whole if it is under a
+        quarter of the budget (judging it takes a few copies), else split by the next bits of the hash and
+        each part judged in turn; one that no split divides holds a few common values (`_judge_hot`)."""
+        import pandas as pd
 
-        if not path.exists():
+        paths = [p for p in paths if p.exists()]
+        size = sum(p.stat().st_size for p in paths)
+        if not paths:
             return
-        if path.stat().st_size > self.budget // 4 and level + 1 >= LEVELS:
-            self._judge_hot(path, found, picked, rows)  # split three times and still large: a few common values
+        if size <= self.budget // 4:
+            frames = [b.to_pandas() for p in paths for b in _batches(p)]
+            for p in paths:
+                p.unlink()
+            self._judge_all([pd.concat(frames, ignore_index=True)], found, picked, rows)  # one dtype: concat's
             return
-        if path.stat().st_size <= self.budget // 4:
-            with pa.OSFile(str(path), "rb") as src:
-                frame = pa.ipc.open_stream(src).read_all().to_pandas()
-            path.unlink()
-            self._judge_all([frame], found, picked, rows)
+        if level + 1 >= LEVELS:
+            self._judge_hot(paths, found, picked, rows)
             return
-        parts = _Partitions([path.with_name(f"{path.stem}-{i:03d}.arrows") for i in range(self.partitions)],
-                            level=level + 1)
+        parts = _Partitions(paths[0].with_name(f"{paths[0].stem}-"), self.partitions, level=level + 1)
         try:
-            with pa.OSFile(str(path), "rb") as src:
-                for batch in pa.ipc.open_stream(src):
+            for p in paths:
+                for batch in _batches(p):
                     parts.append(batch.to_pandas(), self.keys)
         finally:
             parts.close()
-        path.unlink()
-        for p in parts.files:
-            self._judge_file(p, level + 1, found, picked, rows)
+        for p in paths:
+            p.unlink()
+        if sum(1 for files in parts.files if files) == 1:  # every row to one part: splitting again is no use
+            self._judge_hot(next(files for files in parts.files if files), found, picked, rows)
+            return
+        for files in parts.files:
+            self._judge_file(files, level + 1, found, picked, rows)
 
-    def _judge_hot(self, path: Path, found: Found, picked: list, rows: list) -> None:
+    def _judge_hot(self, paths: list[Path], found: Found, picked: list, rows: list) -> None:
         """A partition that hashing could not split: few distinct values, many rows. Streamed twice: the
         count of each value, then the rows of the values that occur more than once."""
         import numpy as np
         import pandas as pd
-        import pyarrow as pa
 
         keys = list(self.keys)
         counts: dict[Any, int] = {}
-        with pa.OSFile(str(path), "rb") as src:
-            for batch in pa.ipc.open_stream(src):
+        for p in paths:
+            for batch in _batches(p):
                 for value, n in batch.to_pandas().value_counts(subset=keys, sort=False, dropna=False).items():
                     counts[value] = counts.get(value, 0) + int(n)  # value: a tuple of the keys' values
         found.repeats += sum(n - 1 for n in counts.values())
-        repeated = {v for v, n in counts.items() if n > 1}
-        if not (self.want_rows or self.examples) or not repeated:
-            path.unlink()
-            return
-        with pa.OSFile(str(path), "rb") as src:
-            for batch in pa.ipc.open_stream(src):
-                frame = batch.to_pandas()
-                bad = frame[pd.MultiIndex.from_frame(frame[keys]).isin(list(repeated))]
-                if self.want_rows:
-                    rows.append(bad[ROW].to_numpy(dtype=np.int64))
-                if self.examples:
-                    picked.append(bad.sort_values(ROW).head(self.examples))
-        path.unlink()
+        repeated = [v for v, n in counts.items() if n > 1]
+        if (self.want_rows or self.examples) and repeated:
+            for p in paths:
+                for batch in _batches(p):
+                    frame = batch.to_pandas()
+                    bad = frame[pd.MultiIndex.from_frame(frame[keys]).isin(repeated)]
+                    if self.want_rows:
+                        rows.append(bad[ROW].to_numpy(dtype=np.int64))
+                    if self.examples:
+                        picked.append(bad.sort_values(ROW).head(self.examples))
+        for p in paths:
+            p.unlink()
 
     def close(self) -> None:
         """Remove what went to disk (done by `finish`; for a validation that stops early)."""
@@ -209,36 +213,62 @@ class Repeats:
             self._cleanup()
 
 
-class _Partitions:
-    """Hash partition files, each one Arrow IPC stream written as rows come (in row order)."""
+def _batches(path: Path) -> Any:
+    """The record batches of one partition file, read one at a time."""
+    import pyarrow as pa
 
-    def __init__(self, files: list[Path], *, level: int) -> None:
-        self.files, self.level = files, level
-        self.writers: dict[int, Any] = {}
-        self.schema: Any = None
+    with pa.OSFile(str(path), "rb") as src:
+        yield from pa.ipc.open_stream(src)
+
+
+def _hash_view(frame: Any, keys: tuple[str, ...]) -> Any:
+    """The keys as they are hashed: numbers (and booleans) as float64, so that one value hashes alike
+    whatever a batch's dtype (an integer column is float64 in a batch with nulls, bool object-typed)."""
+    import pandas as pd
+
+    out = {}
+    for k in keys:
+        col = frame[k]
+        if col.dtype == object and pd.api.types.infer_dtype(col, skipna=True) in ("boolean", "integer", "floating",
+                                                                                     "mixed-integer-float"):
+            col = col.astype("float64")
+        out[k] = col.astype("float64") + 0.0 if col.dtype.kind in "biuf" else col
+    return pd.DataFrame(out)
+
+
+class _Partitions:
+    """Hash partition files written as rows come (in row order): per partition one Arrow IPC stream per
+    run of batches of one schema (a new one where a batch's dtypes differ)."""
+
+    def __init__(self, stem: Path, count: int, *, level: int) -> None:
+        self.stem, self.level = stem, level
+        self.files: list[list[Path]] = [[] for _ in range(count)]
+        self.writers: dict[int, tuple[Any, Any]] = {}
 
     def append(self, frame: Any, keys: tuple[str, ...]) -> None:
         import numpy as np
         import pandas as pd
         import pyarrow as pa
 
-        hashed = pd.util.hash_pandas_object(frame[list(keys)], index=False, hash_key=_HASH_KEY).to_numpy()
+        hashed = pd.util.hash_pandas_object(_hash_view(frame, keys), index=False, hash_key=_HASH_KEY).to_numpy()
         which = ((hashed >> np.uint64(16 * self.level)) % np.uint64(len(self.files))).astype(np.int64)
         order = np.argsort(which, kind="stable")
         bounds = np.searchsorted(which[order], np.arange(len(self.files) + 1))
         table = pa.Table.from_pandas(frame.take(order), preserve_index=False)
-        self.schema = self.schema or table.schema
-        table = table.cast(self.schema)
         for i in range(len(self.files)):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             if hi == lo:
                 continue
             part = table.slice(lo, hi - lo)
-            writer = self.writers.get(i)
-            if writer is None:
-                writer = self.writers[i] = pa.ipc.new_stream(str(self.files[i]), self.schema)
+            writer, schema = self.writers.get(i, (None, None))
+            if writer is None or not schema.equals(part.schema, check_metadata=False):
+                if writer is not None:
+                    writer.close()
+                path = Path(f"{self.stem}{i:03d}.{len(self.files[i])}.arrows")
+                self.files[i].append(path)
+                writer, schema = self.writers[i] = (pa.ipc.new_stream(str(path), part.schema), part.schema)
             writer.write_table(part)
 
     def close(self) -> None:
         while self.writers:
-            self.writers.popitem()[1].close()
+            self.writers.popitem()[1][0].close()
