@@ -369,12 +369,19 @@ def test_fsdp_on_two_nodes_pushes_real_shards_per_node_and_resumes_from_storage_
         assert sync.pull_for_resume(ctx, fresh, shards=False) == [newest.name]
         assert ckpt.held_files(fresh / newest.name) == {f for f in manifest if not f.endswith(".distcp")}
         assert not list((fresh / newest.name).glob("*.distcp"))
+    # Node 1 as a node's own save leaves it: without rank 0's metadata and trainer state (fetched first).
+    own = tmp_path / "next" / "node1" / "ckpt" / newest.name
+    rank0_only = {".metadata", "trainer.json", "optim_groups.json", "scaler.pt"} & set(manifest)
+    for name in rank0_only:
+        (own / name).unlink()
+    (own / ckpt.LOCAL_FILES).write_text(json.dumps({"files": sorted(ckpt.held_files(own) - rank0_only)}))
     step = int(newest.name.split("-")[1])
     outs = _two_agents(tmp_path / "next", digits_cache, epochs=2, port=free_port(), fetch=_fetch_command(ctx, tmp_path))
     assert re.search(rf"resumed from \S*{newest.name} \(epoch \d+, step {step}\)", "".join(outs)), outs[0][-2000:]
-    fetched = [re.findall(rf"fetched from storage \d+ file\(s\) of {newest.name} this node's ranks read: (.*) \(", out)
-               for out in outs]
-    assert sorted(fetched) == [["__0_0.distcp"], ["__0_0.distcp, __1_0.distcp"]], fetched
+    fetched = [[set(names.split(", ")) for names in re.findall(
+        rf"fetched from storage \d+ file\(s\) of {newest.name} this node's ranks read: (.*) \(", out)] for out in outs]
+    assert fetched[1][0] == rank0_only and len(fetched[0]) == 1 and len(fetched[1]) == 2, fetched
+    assert sorted([fetched[0][-1], fetched[1][-1]], key=len) == [{"__0_0.distcp"}, {"__0_0.distcp", "__1_0.distcp"}]
     later = [p for p in ckpt.committed(tmp_path / "next" / "node1" / "ckpt") if ckpt.step_of_name(p.name) > step]
     assert later and len({n for n in ckpt.held_files(later[-1]) if n.endswith(".distcp")}) == 1
     # Storage no longer vouching for it (its marker taken down after the pull): the fetch is refused, every

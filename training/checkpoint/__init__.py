@@ -29,6 +29,7 @@ from ballast.training.checkpoint.commit import (
     DCP_METADATA,
     LOCAL_FILES,
     MANIFEST,
+    SHARD_SUFFIX,
     TRAINER_STATE,
     Writer,
     committed,
@@ -50,7 +51,7 @@ from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part,
 from ballast.training.failure import CheckpointFailure
 
 __all__ = [
-    "COMMIT_MARKER", "DCP_METADATA", "LOCAL_FILES", "MANIFEST", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
+    "COMMIT_MARKER", "DCP_METADATA", "LOCAL_FILES", "MANIFEST", "SHARD_SUFFIX", "TRAINER_STATE", "AsyncSaver", "CheckpointFailure", "Writer", "average",
     "committed", "held_files", "is_committed", "load_optimizer", "load_tensors", "model_weights", "optimizer_part",
     "optimizer_shares", "prune", "read_trainer_state", "recorded_model", "sha256_file", "staging_buffer",
     "step_dir_name", "step_of_name", "uncommit", "verify",

@@ -64,6 +64,8 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # What trainer.json must record for the model to be rebuilt from the checkpoint alone.
 DCP_METADATA = ".metadata"
 """torch.distributed.checkpoint's index of a sharded checkpoint: the one file name allowed a leading dot."""
+SHARD_SUFFIX = ".distcp"
+"""DCP's shard files (`__<rank>_<n>.distcp`): what a node of several fetches only as its ranks read them."""
 MODEL_KEY = "model"
 """trainer.json's key holding the model section {name, options, data} (run config version 2)."""
 
@@ -145,8 +147,8 @@ def share_of(names: Any, share: tuple[int, int] | None) -> set[str]:
     if share is None:
         return set(names)
     part, parts = share
-    shards = sorted(n for n in names if n.endswith(".distcp"))
-    rest = sorted(n for n in names if not n.endswith(".distcp"))
+    shards = sorted(n for n in names if n.endswith(SHARD_SUFFIX))
+    rest = sorted(n for n in names if not n.endswith(SHARD_SUFFIX))
     return set(shards[part::parts]) | set(rest[part::parts])
 
 

@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 from ballast.training.checkpoint import dcp
 from ballast.training.checkpoint.average import average
-from ballast.training.checkpoint.commit import (DCP_METADATA, MANIFEST, MODEL_KEY, TRAINER_STATE, committed,
-                                                held_files, read_trainer_state, recorded_model)
-from ballast.training.checkpoint.fileio import load_tensors
+from ballast.training.checkpoint.commit import (DCP_METADATA, MANIFEST, MODEL_KEY, SHARD_SUFFIX, TRAINER_STATE,
+                                                committed, held_files, read_trainer_state, recorded_model)
+from ballast.training.checkpoint.fileio import load_tensors, sha256_file
 from ballast.training.checkpoint.saver import AsyncSaver
 from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
 from ballast.training.checkpoint.snapshot import Snapshot
@@ -164,36 +164,50 @@ class CheckpointManager:
         return {"prepare": self._fetch_missing, "node_share": (self.dist.local_rank, self.dist.local_world)}
 
     def _fetch_missing(self, path: Path) -> str | None:
-        """Collective: the files of checkpoint `path` that this node's ranks read (a sharded one's: DCP's
-        load plan of each rank; otherwise every file) and its directory lacks, copied from storage by one
-        rank per directory (the launcher's `fetch` command, which checks each against the manifest).
-        Returns why it could not be done (the same on every rank), or None."""
+        """Collective: the files of checkpoint `path` that this node's ranks read and its directory lacks,
+        copied from storage by one rank per directory (the launcher's `fetch` command, which checks each
+        against the manifest). First every file but the shard files (a node's own save lacks rank 0's
+        metadata and trainer state), then the shard files each rank's load reads (DCP's load plan of its
+        shards, from the `.metadata` whose sha256 matched the manifest first; every file of a checkpoint
+        that is not sharded). Returns why it could not be done (the same on every rank), or None."""
         import socket
 
-        failure, needed = None, set()
-        try:
-            files = json.loads((path / MANIFEST).read_text())["files"]
-            held = held_files(path)
-            held = set(files) if held is None else held
-            if DCP_METADATA in files:
-                if DCP_METADATA not in held:
-                    raise CheckpointFailure(f"{path}: this node does not hold DCP's {DCP_METADATA}")
-                needed = dcp.needed_files(self.model, self.optimizer, path)
-            else:
-                needed = set(files)
-        except (CheckpointFailure, OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-            failure = str(exc) if isinstance(exc, CheckpointFailure) else \
-                f"{path}: cannot plan which of its files this rank reads ({dcp.first_line(exc)})"
-        here = [socket.gethostname(), str(self.root.resolve())]  # ranks sharing this directory
-        everyone = gather_json([here, sorted(needed), failure], self.dist.ckpt_group)
-        failure = next((f for _, _, f in everyone if f), None)
-        if failure:
-            return failure
-        peers = [r for r, (where, _, _) in enumerate(everyone) if where == here]
-        if self.dist.rank == peers[0]:
-            missing = sorted(set().union(*(everyone[r][1] for r in peers)) - held)
-            failure = self._fetch(path, missing) if missing else None
-        return next((f for f in gather_json(failure, self.dist.ckpt_group) if f), None)
+        here = [socket.gethostname(), str(self.root.resolve())]  # the ranks sharing this directory
+
+        def wanted(shards: bool) -> tuple[set[str], str | None]:
+            try:
+                files = json.loads((path / MANIFEST).read_text())["files"]
+                if not shards:
+                    return {f for f in files if not f.endswith(SHARD_SUFFIX)}, None
+                if DCP_METADATA not in files:
+                    return set(files), None
+                meta = files[DCP_METADATA]
+                if sha256_file(path / DCP_METADATA) != meta["sha256"]:
+                    raise CheckpointFailure(f"{path / DCP_METADATA}: sha256 does not match the manifest")
+                return dcp.needed_files(self.model, self.optimizer, path), None
+            except CheckpointFailure as exc:
+                return set(), str(exc)
+            except Exception as exc:  # noqa: BLE001  (every rank must reach the gathers below)
+                return set(), f"{path}: cannot plan which of its files this rank reads ({dcp.first_line(exc)})"
+
+        for shards in (False, True):
+            needed, failure = wanted(shards)
+            everyone = gather_json([here, sorted(needed), failure], self.dist.ckpt_group)
+            failure = next((f for _, _, f in everyone if f), None)
+            if failure:
+                return failure
+            peers = [r for r, (where, _, _) in enumerate(everyone) if where == here]
+            if self.dist.rank == peers[0]:
+                try:
+                    held = held_files(path)
+                    missing = sorted(set().union(*(everyone[r][1] for r in peers)) - (held or set()))
+                    failure = self._fetch(path, missing) if held is not None and missing else None
+                except CheckpointFailure as exc:
+                    failure = str(exc)
+            failure = next((f for f in gather_json(failure, self.dist.ckpt_group) if f), None)
+            if failure:
+                return failure
+        return None
 
     def _fetch(self, path: Path, names: list[str]) -> str | None:
         """The launcher's fetch command for `names`, ended with this rank if it dies (parent-death signal)."""

@@ -50,7 +50,6 @@ from ballast.storage import Storage, safe_join
 
 
 PULLING = ".pulling"  # where a pulled checkpoint waits for its check, beside the checkpoints
-SHARD_SUFFIX = ".distcp"  # DCP's shard files: what a node of several fetches only as its ranks read them
 PUSHED = "PUSHED-node{node}.json"  # a node's record that its files of a checkpoint are in storage
 
 
@@ -136,7 +135,7 @@ def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path, check: Ca
     files = stored_files(ctx.storage, prefix, name)
     if files is None:
         return False
-    kept = files if shards else [f for f in files if not f.endswith(SHARD_SUFFIX)]
+    kept = files if shards else [f for f in files if not f.endswith(ckpt.SHARD_SUFFIX)]
     # Downloaded under its own name (what the checks read) in a directory no reader of ckpt_dir lists.
     staging, final = safe_join(ckpt_dir, PULLING), safe_join(ckpt_dir, name)
     tmp = staging / name
