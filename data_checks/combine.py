@@ -81,6 +81,11 @@ class BatchValidation:
         self.aggregates.add(frame)
         self.rows += len(frame)
 
+    def close(self) -> None:
+        """Remove what the aggregates spilled to disk (`finish` does; for a validation that stops early)."""
+        for agg in [*self.aggregates.unique.values(), *self.aggregates.duplicates.values()]:
+            agg.repeats.close()
+
     def finish(self) -> Report:
         """The combined result of every expectation, stored with GX and rendered into Data Docs."""
         from great_expectations.core.expectation_validation_result import (

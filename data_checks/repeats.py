@@ -7,14 +7,16 @@ Values and their global row numbers are held in memory up to `budget` bytes. Pas
 goes to disk in `PARTITIONS` hash partitions (Arrow IPC streams in a private temporary directory, on the
 node's disk where the caller says: validation spills under the Ballast home, not a RAM-backed /tmp), and
 so does every later batch once the buffer fills again. At the end each partition is read on its own:
-equal values share a partition, so its repeats are the whole data's. A partition larger than the budget
-is split again, streamed batch by batch, by other bits of its values' hash. So memory is bounded by the
-budget and one batch, whatever the number of distinct values; what grows with the data is the disk
-(the values and 8 bytes per row) and, for `unique`, the failing rows' numbers (8 bytes each).
+equal values share a partition, so its repeats are the whole data's. A partition over a quarter of the budget
+is split again, streamed batch by batch, by other bits of its values' hash. So memory is bounded by a
+few times the budget (judging what is held copies it) and one batch, whatever the number of distinct
+values; what grows with the data is the disk (the values and 8 bytes per row) and, for `unique`, the
+failing rows' numbers (8 bytes each). A spilled column keeps a file open per partition until the end.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
@@ -31,6 +33,7 @@ LEVELS = 4
 the values (pandas's: siphash for strings, a splitmix64 finalizer for numbers, so every slice of bits
 is as good as another), so a split partition is split by bits independent of the ones that made it."""
 _HASH_KEY = "ballast-repeats0"  # 16 characters, as pandas's hash needs
+SPILL_PREFIX = "ballast-repeats-"
 
 
 @dataclass
@@ -85,7 +88,9 @@ class Repeats:
         if self.dir is None:
             if self.directory is not None:
                 self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.dir = Path(tempfile.mkdtemp(prefix="ballast-repeats-", dir=self.directory))  # 0700: its own
+            # 0700, this process's own, named by its pid: what a killed validation left is removed here.
+            self.dir = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}-", dir=self.directory))
+            _remove_orphans(self.dir.parent)
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
             self.parts = _Partitions(self.dir / "p", self.partitions, level=0)
         held, self.held, self.held_bytes = self.held, [], 0
@@ -211,6 +216,25 @@ class Repeats:
             self.parts.close()
         if self._cleanup is not None:
             self._cleanup()
+
+
+def _remove_orphans(directory: Path) -> None:
+    """Remove the spill directories under `directory` whose validation process is gone (killed before it
+    could remove them)."""
+    for d in directory.glob(f"{SPILL_PREFIX}*-*"):
+        pid = d.name[len(SPILL_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _batches(path: Path) -> Any:

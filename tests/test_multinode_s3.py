@@ -219,8 +219,13 @@ def test_a_node_pulls_all_but_the_shards_and_fetches_the_ones_named_each_checked
     ckpt.verify(pulled, held_only=True)
     assert sync.fetch(ctx, pulled, ["__1_0.distcp"]) == 0  # held already
 
-    # Storage no longer holding that very checkpoint (its marker taken down): refused.
+    # A pulled share is never pushed back, even where storage no longer holds it.
+    assert json.loads((pulled / ckpt.LOCAL_FILES).read_text())["pulled"] is True
+    assert sync.push(ctx, fresh, node=1) == [] and sync.push(ctx, fresh, node=0) == []
+    # Storage no longer holding that very checkpoint (its marker taken down): refused, and still not pushed.
     ctx.storage.delete(base + ckpt.COMMIT_MARKER)
+    before = _stored(ctx, base)
+    assert sync.push(ctx, fresh, node=0) == [] and _stored(ctx, base) == before
     with pytest.raises(StorageError, match="not committed in storage with this checkpoint's manifest"):
         sync.fetch(ctx, pulled, ["__0_0.distcp"])
     assert gate.node_local(pulled)

@@ -229,12 +229,21 @@ def test_repeats_past_the_budget_go_to_disk_and_give_what_memory_gives(kind, tmp
 
 
 @pytest.mark.unit
-def test_a_validation_that_stops_early_leaves_nothing_on_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(repeats.tempfile, "tempdir", str(tmp_path))
-    r = repeats.Repeats(("v",), rows=False, budget=1000)
+def test_a_validation_that_stops_early_leaves_nothing_on_disk(tmp_path):
+    import os
+
+    killed = tmp_path / f"{repeats.SPILL_PREFIX}{2 ** 22 + 7}-abc"  # a pid no process has: a killed validation's
+    (killed / "p").mkdir(parents=True)
+    other = repeats.Repeats(("v",), rows=False, budget=1000, directory=tmp_path)  # another live validation's
+    other.add(pd.DataFrame({"v": np.arange(1000), "_row": np.arange(1000)}))
+    assert other.spilled and other.dir.name.startswith(f"{repeats.SPILL_PREFIX}{os.getpid()}-")
+    assert not killed.exists(), "what a killed validation left is removed by the next spill"
+    r = repeats.Repeats(("v",), rows=False, budget=1000, directory=tmp_path)
     r.add(pd.DataFrame({"v": np.arange(1000), "_row": np.arange(1000)}))
-    assert r.spilled and any(tmp_path.iterdir())
+    assert r.spilled and other.dir.exists(), "a live validation's directory stays"
     del r
+    assert [p.name for p in tmp_path.iterdir()] == [other.dir.name]
+    other.close()
     assert not any(tmp_path.iterdir())
 
 

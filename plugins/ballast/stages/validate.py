@@ -126,10 +126,13 @@ def _report(ctx: RunContext, files: list[Path], rules: list[dict], row_indices: 
     checker = BatchValidation(rules, array_columns=array_columns(ds), text_columns=texts, name=ctx.spec.name,
                               row_indices=row_indices, spill_dir=ballast_home() / "tmp")
     progress = Progress(ctx.log, "validate", sum(counts))  # in the task log, every few seconds
-    for offset, frame in frames(files, ds, max_rows=ctx.spec.conversion.read_batch_rows):
-        checker.add(frame, offset)
-        progress.add(len(frame))
-    return checker.finish()
+    try:
+        for offset, frame in frames(files, ds, max_rows=ctx.spec.conversion.read_batch_rows):
+            checker.add(frame, offset)
+            progress.add(len(frame))
+        return checker.finish()
+    finally:
+        checker.close()
 
 
 def _quarantine(ctx: RunContext, report, result: ValidateResult, files: list[Path]) -> Quarantine:

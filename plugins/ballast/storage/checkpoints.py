@@ -51,6 +51,7 @@ from ballast.storage import Storage, safe_join
 
 PULLING = ".pulling"  # where a pulled checkpoint waits for its check, beside the checkpoints
 PUSHED = "PUSHED-node{node}.json"  # a node's record that its files of a checkpoint are in storage
+PULLED = "pulled"  # local-files.json's key marking a node's share pulled from storage (not its own save)
 
 
 def _prefix(ctx: RunContext) -> str:
@@ -143,9 +144,9 @@ def _pull_one(ctx: RunContext, prefix: str, name: str, ckpt_dir: Path, check: Ca
     try:
         for f in kept[:-1]:  # the marker (last) once the rest is here
             ctx.storage.download(f"{prefix}{name}/{f}", tmp / f)
-        if len(kept) < len(files):  # this node's share of it: what it holds
+        if len(kept) < len(files):  # this node's share of it: what it holds, pulled (never pushed back)
             held = [f for f in kept if f not in (ckpt.MANIFEST, ckpt.COMMIT_MARKER)]
-            (tmp / ckpt.LOCAL_FILES).write_text(json.dumps({"files": held}))
+            (tmp / ckpt.LOCAL_FILES).write_text(json.dumps({"files": held, PULLED: True}))
         ctx.storage.download(f"{prefix}{name}/{kept[-1]}", tmp / kept[-1])
         check(tmp)
     except BaseException as exc:
@@ -200,7 +201,8 @@ def fetch(ctx: RunContext, path: Path, names: list[str]) -> int:
         copied += files[name]["size"]
     if wanted:
         listing = path / f".{ckpt.LOCAL_FILES}.tmp"
-        listing.write_text(json.dumps({"files": sorted(held | set(wanted))}))
+        record = json.loads((path / ckpt.LOCAL_FILES).read_text())
+        listing.write_text(json.dumps({**record, "files": sorted(held | set(wanted))}))
         os.replace(listing, path / ckpt.LOCAL_FILES)
     return copied
 
@@ -229,6 +231,8 @@ def push(ctx: RunContext, ckpt_dir: Path, *, node: int = 0, wait: float = 0.0) -
         files = sorted(manifest["files"])
         if held is None and node != 0:
             continue  # a whole checkpoint pulled here: node 0 holds it too, and it alone commits in storage
+        if held is not None and _pulled(path):
+            continue  # a node's share pulled from storage: in storage already, or removed there on purpose
         if held is None:  # the whole checkpoint on this disk (one node, or a pulled one)
             _remove(ctx.storage, base, keep=set(files))
             for name in files + [ckpt.MANIFEST, ckpt.COMMIT_MARKER]:
@@ -240,6 +244,16 @@ def push(ctx: RunContext, ckpt_dir: Path, *, node: int = 0, wait: float = 0.0) -
     if done:
         prune(ctx)
     return done
+
+
+def _pulled(path: Path) -> bool:
+    """Whether a node-local directory is a share pulled from storage (`local-files.json` says so)."""
+    from ballast.training import checkpoint as ckpt
+
+    try:
+        return json.loads((path / ckpt.LOCAL_FILES).read_text()).get(PULLED) is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _digest(path: Path) -> str:
