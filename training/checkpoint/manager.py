@@ -221,7 +221,11 @@ class CheckpointManager:
                 "KILL", "--", *self.cfg.fetch, str(path), *names]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
+        except subprocess.TimeoutExpired:
+            return (f"{path}: fetching {len(names)} file(s) from storage took over {limit:.0f}s (the process"
+                    f" group's timeout, distributed.timeout_seconds, less {FETCH_MARGIN_SECONDS:.0f}s: the node's"
+                    " other ranks wait for it in a collective)")
+        except OSError as exc:
             return f"{path}: could not fetch {len(names)} file(s) from storage ({exc})"
         if done.returncode != 0:
             why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
