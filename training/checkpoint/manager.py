@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 from ballast.training.checkpoint import dcp
 from ballast.training.checkpoint.average import average
-from ballast.training.checkpoint.commit import (DCP_METADATA, MANIFEST, MODEL_KEY, SHARD_SUFFIX, TRAINER_STATE,
-                                                committed, held_files, read_trainer_state, recorded_model)
-from ballast.training.checkpoint.fileio import load_tensors, sha256_file
+from ballast.training.checkpoint.commit import MODEL_KEY, TRAINER_STATE, committed, read_trainer_state, recorded_model
+from ballast.training.checkpoint.fetch import NodeFetch
+from ballast.training.checkpoint.fileio import load_tensors
 from ballast.training.checkpoint.saver import AsyncSaver
 from ballast.training.checkpoint.sharding import load_optimizer, optimizer_part, optimizer_shares
 from ballast.training.checkpoint.snapshot import Snapshot
@@ -27,10 +27,6 @@ from ballast.training.config.run import CheckpointConfig, ModelConfig
 from ballast.training.failure import CheckpointFailure
 from ballast.training.outputs import trainer_state
 from ballast.training.state import TrainState
-
-FETCH_MARGIN_SECONDS = 30.0
-"""The rank that copies a node's missing checkpoint files from storage has the process group's timeout
-less this: the other ranks wait for it in a collective, and it reports its failure before they give up."""
 
 
 class CheckpointManager:
@@ -161,79 +157,9 @@ class CheckpointManager:
         each node checking the files it holds, split between its ranks."""
         if not (self.cfg.node_local and self.cfg.fetch and self.dist.enabled):
             return {}
-        return {"prepare": self._fetch_missing, "node_share": (self.dist.local_rank, self.dist.local_world)}
-
-    def _fetch_missing(self, path: Path) -> str | None:
-        """Collective: the files of checkpoint `path` that this node's ranks read and its directory lacks,
-        copied from storage by one rank per directory (the launcher's `fetch` command, which checks each
-        against the manifest). First every file but the shard files (a node's own save lacks rank 0's
-        metadata and trainer state), then the shard files each rank's load reads (DCP's load plan of its
-        shards, from the `.metadata` whose sha256 matched the manifest first; every file of a checkpoint
-        that is not sharded). Returns why it could not be done (the same on every rank), or None."""
-        import socket
-
-        here = [socket.gethostname(), str(self.root.resolve())]  # the ranks sharing this directory
-
-        def wanted(shards: bool) -> tuple[set[str], str | None]:
-            try:
-                files = json.loads((path / MANIFEST).read_text())["files"]
-                if not shards:
-                    return {f for f in files if not f.endswith(SHARD_SUFFIX)}, None
-                if DCP_METADATA not in files:
-                    return set(files), None
-                meta = files[DCP_METADATA]
-                if sha256_file(path / DCP_METADATA) != meta["sha256"]:
-                    raise CheckpointFailure(f"{path / DCP_METADATA}: sha256 does not match the manifest")
-                return dcp.needed_files(self.model, self.optimizer, path), None
-            except CheckpointFailure as exc:
-                return set(), str(exc)
-            except Exception as exc:  # noqa: BLE001  (every rank must reach the gathers below)
-                return set(), f"{path}: cannot plan which of its files this rank reads ({dcp.first_line(exc)})"
-
-        for shards in (False, True):
-            needed, failure = wanted(shards)
-            everyone = gather_json([here, sorted(needed), failure], self.dist.ckpt_group)
-            failure = next((f for _, _, f in everyone if f), None)
-            if failure:
-                return failure
-            peers = [r for r, (where, _, _) in enumerate(everyone) if where == here]
-            if self.dist.rank == peers[0]:
-                try:
-                    held = held_files(path)
-                    missing = sorted(set().union(*(everyone[r][1] for r in peers)) - (held or set()))
-                    failure = self._fetch(path, missing) if held is not None and missing else None
-                except CheckpointFailure as exc:
-                    failure = str(exc)
-            failure = next((f for f in gather_json(failure, self.dist.ckpt_group) if f), None)
-            if failure:
-                return failure
-        return None
-
-    def _fetch(self, path: Path, names: list[str]) -> str | None:
-        """The launcher's fetch command for `names`, ended with this rank if it dies (parent-death signal)."""
-        import os
-        import subprocess
-        import sys
-
-        t0 = time.monotonic()
-        limit = max(1.0, self.dist.cfg.timeout_seconds - FETCH_MARGIN_SECONDS)
-        argv = [sys.executable, "-m", "ballast.training.parentdeath", "--parent", str(os.getpid()), "--signal",
-                "KILL", "--", *self.cfg.fetch, str(path), *names]
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, check=False)
-        except subprocess.TimeoutExpired:
-            return (f"{path}: fetching {len(names)} file(s) from storage took over {limit:.0f}s (the process"
-                    f" group's timeout, distributed.timeout_seconds, less {FETCH_MARGIN_SECONDS:.0f}s: the node's"
-                    " other ranks wait for it in a collective)")
-        except OSError as exc:
-            return f"{path}: could not fetch {len(names)} file(s) from storage ({exc})"
-        if done.returncode != 0:
-            why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-            return f"{path}: could not fetch {len(names)} file(s) from storage ({why[:500]})"
-        # Every node's own line (the trainer's log is rank 0's alone): what this node read from storage.
-        print(f"[train] rank {self.dist.rank}: fetched from storage {len(names)} file(s) of {path.name} this node's"
-              f" ranks read: {', '.join(names)} ({time.monotonic() - t0:.2f}s)", flush=True)
-        return None
+        fetch = NodeFetch(self.cfg.fetch, model=self.model, optimizer=self.optimizer, dist=self.dist, root=self.root,
+                          gather=lambda obj: gather_json(obj, self.dist.ckpt_group))
+        return {"prepare": fetch, "node_share": (self.dist.local_rank, self.dist.local_world)}
 
     def _passes(self, path: Path) -> bool:
         """Whether `path` passes the gate (split between the ranks, which all get the same answer)."""
@@ -242,7 +168,7 @@ class CheckpointManager:
 
         node_local = self._node_local_gate()
         if node_local and any(gather_json(is_node_local(path), self.dist.ckpt_group)):  # the same path on every rank
-            failure = self._fetch_missing(path) or agreed_failure(
+            failure = node_local["prepare"](path) or agreed_failure(
                 path, share=node_local["node_share"], held_only=True,
                 agree=self._split_gate()["agree"])
         else:
