@@ -88,10 +88,13 @@ class Repeats:
         if self.dir is None:
             if self.directory is not None:
                 self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # 0700, this process's own, named by its pid: what a killed validation left is removed here.
-            self.dir = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}-", dir=self.directory))
+            # 0700, this process's own, held with a shared flock on its `.in-use` file while it lives (the
+            # cache directory's convention, `storage.cache_dir`): what a killed validation left is removed here.
+            from ballast.storage.cache_dir import hold
+
+            self.dir = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=self.directory))
+            self._cleanup = weakref.finalize(self, _release, hold(self.dir), self.dir)
             _remove_orphans(self.dir.parent)
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
             self.parts = _Partitions(self.dir / "p", self.partitions, level=0)
         held, self.held, self.held_bytes = self.held, [], 0
         chunk, size = [], 0
@@ -113,9 +116,9 @@ class Repeats:
         found, picked, rows = Found(), [], []
         try:
             if self.dir is None:
-                parts = [pd.concat(self.held, ignore_index=True)] if self.held else []
-                self.held = []
-                self._judge_all(parts, found, picked, rows)
+                if self.held:
+                    held, self.held = self.held, []
+                    self._judge(pd.concat(held, ignore_index=True), found, picked, rows)
             else:
                 if self.held:
                     self._spill()
@@ -133,21 +136,19 @@ class Repeats:
         self._found = found
         return found
 
-    def _judge_all(self, parts: Any, found: Found, picked: list, rows: list) -> None:
+    def _judge(self, part: Any, found: Found, picked: list, rows: list) -> None:
+        """The repeats of values that are all in `part` (everything held, or one partition)."""
         import numpy as np
 
-        for part in parts:
-            if not len(part):
-                continue
-            part = part.sort_values(ROW, kind="stable")
-            keys = list(self.keys)
-            found.repeats += int(part.duplicated(subset=keys, keep="first").sum())
-            if self.want_rows or self.examples:
-                bad = part[part.duplicated(subset=keys, keep=False)]
-                if self.want_rows:
-                    rows.append(bad[ROW].to_numpy(dtype=np.int64))
-                if self.examples:
-                    picked.append(bad.head(self.examples))
+        part = part.sort_values(ROW, kind="stable")
+        keys = list(self.keys)
+        found.repeats += int(part.duplicated(subset=keys, keep="first").sum())
+        if self.want_rows or self.examples:
+            bad = part[part.duplicated(subset=keys, keep=False)]
+            if self.want_rows:
+                rows.append(bad[ROW].to_numpy(dtype=np.int64))
+            if self.examples:
+                picked.append(bad.head(self.examples))
 
     def _judge_file(self, paths: list[Path], level: int, found: Found, picked: list, rows: list) -> None:
         """One partition (its files: one per run of batches of one dtype): judged whole if it is under a
@@ -163,7 +164,7 @@ class Repeats:
             frames = [b.to_pandas() for p in paths for b in _batches(p)]
             for p in paths:
                 p.unlink()
-            self._judge_all([pd.concat(frames, ignore_index=True)], found, picked, rows)  # one dtype: concat's
+            self._judge(pd.concat(frames, ignore_index=True), found, picked, rows)  # one dtype: concat's
             return
         if level + 1 >= LEVELS:
             self._judge_hot(paths, found, picked, rows)
@@ -218,23 +219,30 @@ class Repeats:
             self._cleanup()
 
 
+def _release(lock: int, directory: Path) -> None:
+    os.close(lock)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 def _remove_orphans(directory: Path) -> None:
-    """Remove the spill directories under `directory` whose validation process is gone (killed before it
-    could remove them)."""
-    for d in directory.glob(f"{SPILL_PREFIX}*-*"):
-        pid = d.name[len(SPILL_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+    """Remove the spill directories under `directory` that no live validation holds (killed before it
+    could remove them): those whose `.in-use` lock can be taken at once."""
+    import fcntl
+
+    from ballast.storage.cache_dir import IN_USE
+
+    for d in directory.glob(f"{SPILL_PREFIX}*"):
+        try:
+            fd = os.open(d / IN_USE, os.O_RDWR)
+        except OSError:
+            continue  # being made right now (the lock comes just after the directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
+        except BlockingIOError:
+            pass  # a live validation's
+        finally:
+            os.close(fd)
 
 
 def _batches(path: Path) -> Any:
@@ -256,7 +264,7 @@ def _hash_view(frame: Any, keys: tuple[str, ...]) -> Any:
         if col.dtype == object and pd.api.types.infer_dtype(col, skipna=True) in ("boolean", "integer", "floating",
                                                                                      "mixed-integer-float"):
             col = col.astype("float64")
-        out[k] = col.astype("float64") + 0.0 if col.dtype.kind in "biuf" else col
+        out[k] = col.astype("float64") if col.dtype.kind in "biuf" else col  # -0.0: made 0.0 by `add`
     return pd.DataFrame(out)
 
 

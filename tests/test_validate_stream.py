@@ -230,13 +230,21 @@ def test_repeats_past_the_budget_go_to_disk_and_give_what_memory_gives(kind, tmp
 
 @pytest.mark.unit
 def test_a_validation_that_stops_early_leaves_nothing_on_disk(tmp_path):
+    import fcntl
     import os
 
-    killed = tmp_path / f"{repeats.SPILL_PREFIX}{2 ** 22 + 7}-abc"  # a pid no process has: a killed validation's
+    from ballast.storage.cache_dir import IN_USE
+
+    killed = tmp_path / f"{repeats.SPILL_PREFIX}abc"  # a killed validation's: its lock ended with it
     (killed / "p").mkdir(parents=True)
+    (killed / IN_USE).touch()
     other = repeats.Repeats(("v",), rows=False, budget=1000, directory=tmp_path)  # another live validation's
     other.add(pd.DataFrame({"v": np.arange(1000), "_row": np.arange(1000)}))
-    assert other.spilled and other.dir.name.startswith(f"{repeats.SPILL_PREFIX}{os.getpid()}-")
+    fd = os.open(other.dir / IN_USE, os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # held while the validation lives
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+    assert other.spilled
     assert not killed.exists(), "what a killed validation left is removed by the next spill"
     r = repeats.Repeats(("v",), rows=False, budget=1000, directory=tmp_path)
     r.add(pd.DataFrame({"v": np.arange(1000), "_row": np.arange(1000)}))
@@ -271,12 +279,11 @@ def test_duplicate_share_counts_documents_repeated_across_batches(monkeypatch):
 
 # --- the stage in a child process, under an address-space limit it could not read the data whole in -------
 
-CHILD = r'''
+CHILD_HEAD = r'''
 import io, json, os, resource, sys
 os.environ["GX_ANALYTICS_ENABLED"] = "False"
-import numpy as np
-import pyarrow.parquet as pq
 import yaml
+from ballast.errors import DataError
 from ballast.pipeline.context import RunContext
 from ballast.spec import parse_spec
 from ballast.stages import validate
@@ -285,6 +292,12 @@ def vm(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
+'''
+"""What both child processes start with: imports warmed before the limit, and their own memory figures."""
+
+CHILD = CHILD_HEAD + r'''
+import numpy as np
+import pyarrow.parquet as pq
 
 def run(spec_file, storage):
     d = yaml.safe_load(open(spec_file))
@@ -383,20 +396,8 @@ def test_validation_of_data_several_times_the_memory_limit_gives_the_small_sampl
     assert big["docs"] and small["docs"]
 
 
-REPEATS_CHILD = r'''
-import json, os, resource, sys
-os.environ["GX_ANALYTICS_ENABLED"] = "False"
-import yaml
+REPEATS_CHILD = CHILD_HEAD + r'''
 from ballast.data_checks import repeats
-from ballast.errors import DataError
-from ballast.pipeline.context import RunContext
-from ballast.spec import parse_spec
-from ballast.stages import validate
-
-def vm(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
 
 def run(spec_file):
     ctx = RunContext(spec=parse_spec(yaml.safe_load(open(spec_file))), dag_id="ballast_ids", run_id="manual__1")

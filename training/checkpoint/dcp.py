@@ -282,11 +282,10 @@ def check(path: Path, *, share: tuple[int, int] | None = None, files: set[str] |
 
     def read_batch(name: str, batch: list[tuple[Any, Any, Any]]) -> None:
         targets = {index: torch.empty(sizes, dtype=dtype) for index, sizes, dtype in batch}
-        zeros = [torch.Size([0] * len(sizes)) for _, sizes, _ in batch]
         plan = LoadPlan([ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(index.fqn, index.offset),
-                                  dest_offsets=zero, storage_index=index, storage_offsets=zero,
-                                  lengths=torch.Size(sizes))
-                         for (index, sizes, _), zero in zip(batch, zeros)])
+                                  dest_offsets=torch.Size([0] * len(sizes)), storage_index=index,
+                                  storage_offsets=torch.Size([0] * len(sizes)), lengths=torch.Size(sizes))
+                         for index, sizes, _ in batch])  # each stored piece whole
         checker = _Checker(targets)
         try:
             read.read_data(plan, checker).wait()

@@ -145,11 +145,8 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
         if min_step is not None and _step_of(path) < min_step:
             log(f"no checkpoint at or after step {min_step} passes the gate; {path.name} and older are behind it")
             return None  # older ones are not damaged, only too old: left where they are
-        held = prepare is not None and (any(agree(node_local(path))) if agree else node_local(path))  # alike on all
-        failure = prepare(path) if held else None
-        if failure is None:
-            failure = agreed_failure(path, share=node_share if held else share, agree=agree, probe=probe,
-                                     min_step=min_step, probe_sharded=probe_sharded, held_only=held)
+        failure = agreed_failure(path, share=share, agree=agree, prepare=prepare, node_share=node_share,
+                                 probe=probe, min_step=min_step, probe_sharded=probe_sharded)
         if failure is None:
             return path
         if quarantine_failures:
@@ -169,9 +166,19 @@ def node_local(path: Path) -> bool:
 
 
 def agreed_failure(path: Path, *, share: tuple[int, int] | None = None,
-                   agree: Callable[[Any], list[Any]] | None = None, **check_options: Any) -> str | None:
+                   agree: Callable[[Any], list[Any]] | None = None,
+                   prepare: Callable[[Path], str | None] | None = None, node_share: tuple[int, int] | None = None,
+                   **check_options: Any) -> str | None:
     """Why `path` fails `check` (None: it passes); with `share` and `agree`, this rank's share of the
-    check, and the first failure any rank found (collective: every rank gets the same answer)."""
+    check, and the first failure any rank found (collective: every rank gets the same answer). With
+    `prepare`, a node-local directory (on any rank: all take the same path) is first `prepare`d, then
+    checked on the files its node holds, split by `node_share` (`latest_passing`)."""
+    held = prepare is not None and (any(agree(node_local(path))) if agree else node_local(path))
+    if held:
+        failure = prepare(path)  # already the same on every rank
+        if failure:
+            return failure
+        share, check_options = node_share, {**check_options, "held_only": True}
     try:
         check(path, share=share, **check_options)
         failure = None

@@ -164,15 +164,8 @@ class CheckpointManager:
     def _passes(self, path: Path) -> bool:
         """Whether `path` passes the gate (split between the ranks, which all get the same answer)."""
         from ballast.training.checkpoint.gate import agreed_failure
-        from ballast.training.checkpoint.gate import node_local as is_node_local
 
-        node_local = self._node_local_gate()
-        if node_local and any(gather_json(is_node_local(path), self.dist.ckpt_group)):  # the same path on every rank
-            failure = node_local["prepare"](path) or agreed_failure(
-                path, share=node_local["node_share"], held_only=True,
-                agree=self._split_gate()["agree"])
-        else:
-            failure = agreed_failure(path, **self._split_gate())
+        failure = agreed_failure(path, **self._split_gate(), **self._node_local_gate())
         if failure:
             self.log(f"not averaged: {failure}")
         return failure is None
