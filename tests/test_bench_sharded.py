@@ -20,11 +20,14 @@ def _rank(rank: int, *, own: int, added: list[int], none: list[float], sync: lis
             "stretch_seconds": {"none": none, "sync": sync, "async": asyn},
             "async_blocked_seconds": [0.01] * len(none), "sync_blocked_seconds": [0.9] * len(none),
             "async_write_done_inside_stretch": [True] * len(none),
+            "write_cpu_seconds": {"sync": [0.5] * len(none), "async": [0.4 + rank / 10] * len(none)},
+            "idle_core_seconds": {"none": [0.2 + rank] * len(none), "sync": [0.0] * len(none),
+                                  "async": [0.0] * len(none)},
             "save_seconds": save, "load_seconds": load, "state_equal_after_load": [True, True],
             "gate_seconds": [0.5 + rank / 10] * 3, "gate_found_newest": [True] * 3}
 
 
-OPTS = {**bench.SMALL, "threads": 1, "backend": "gloo", "writer_priority": "idle"}
+OPTS = {**bench.SMALL, "threads": 1, "cores": 2, "backend": "gloo", "writer_priority": "idle"}
 
 
 @pytest.mark.unit
@@ -47,6 +50,11 @@ def test_the_targets_take_the_worst_rank_and_the_medians_of_the_slowest_rank():
     # lost: async 0.4 s against sync 4.0 s (medians of the slowest rank's stretches)
     assert out["lost_seconds"]["sync"] == [4.0, 4.0, 4.0]
     assert t["async_time_lost"]["value"] == pytest.approx(0.1, abs=1e-4) and t["async_time_lost"]["met"]
+    # The floor the write's own CPU sets: both ranks' writer CPU (0.4 + 0.5 s) less the idle core-seconds
+    # of a stretch without a save (rank 0's reading of the machine, 0.2), over 2 cores, against sync's 4.0 s.
+    assert t["async_time_lost"]["writer_cpu_seconds_median"] == 0.9 and t["async_time_lost"]["cores"] == 2
+    assert t["async_time_lost"]["cpu_floor_seconds"] == 0.35
+    assert t["async_time_lost"]["cpu_floor_ratio"] == round(0.35 / 4.0, 4)
     assert t["save_vs_dcp"] == {"value": round(2.0 / 2.1, 4), "target": ">= 0.9", "met": True}
     assert t["load_vs_dcp"]["value"] == round(1.0 / 1.1, 4) and t["load_vs_dcp"]["met"]
     # the resume gate beside it (the slowest rank's, 0.6 s), and the ratio with it added to the load
@@ -91,6 +99,10 @@ def test_the_small_bench_reports_every_target_and_leaves_no_rank_running():
     params, tied = m["parameters"], 4 * m["vocab"] * m["width"]
     assert 3 * 4 * params + tied <= out["state_bytes"] <= 3 * 4 * params + tied + 4096
     assert all(len(v) == out["repeats"] for v in out["stretch_seconds"].values())
+    # the writing threads' CPU time of every save measured, summed over the ranks, and the idle it had
+    assert all(len(v) == out["repeats"] and all(x > 0 for x in v) for v in out["write_cpu_seconds"].values())
+    assert all(len(v) == out["repeats"] for v in out["idle_core_seconds"].values())
+    assert out["targets"]["async_time_lost"]["cores"] >= 1
     assert out["state_restored_exactly"] is True and out["resume_gate_passed_newest"] is True
     assert len(out["resume_gate_seconds"]) == out["io_repeats"]
     assert not multiprocessing.active_children()

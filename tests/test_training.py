@@ -49,6 +49,8 @@ def test_torchrun_two_processes_train_and_commit_checkpoints(tmp_path, digits_ca
         ckpt.verify(path)
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {e["event"] for e in events} >= {"step", "epoch", "checkpoint", "checkpoint_written", "grad_stats"}
+    for e in (e for e in events if e["event"] == "checkpoint_written"):  # the writer's wall and CPU time
+        assert 0 < e["write_cpu_seconds"] and e["write_seconds"] > 0
     for e in (e for e in events if e["event"] == "grad_stats"):  # every gradient entry is counted once
         counted = sum(e["histogram_log2_abs"]) + e["nonfinite"] + round(e["zero_fraction"] * e["entries"])
         assert counted == e["entries"] > 0 and 0 < e["max_abs"] < 1e3

@@ -186,6 +186,7 @@ class Metrics:
                               ("memory_bytes", "resident memory of this process (GPU: allocated)"),
                               ("checkpoint_save_seconds", "time training was blocked by the last save"),
                               ("checkpoint_write_seconds", "time the last checkpoint took to write and commit"),
+                              ("checkpoint_write_cpu_seconds", "CPU time the writing thread used for the last checkpoint"),
                               ("checkpoint_load_seconds", "time the last resume took"),
                               ("last_step_timestamp_seconds", "unix time of the last finished step"),
                               ("last_checkpoint_timestamp_seconds", "unix time of the last committed checkpoint"),

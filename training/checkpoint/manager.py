@@ -93,10 +93,13 @@ class CheckpointManager:
         """Until the save in flight is committed (raises if it failed)."""
         self.saver.wait()
 
-    def _written(self, step: int, seconds: float) -> None:
-        """From the writer: checkpoint `step` is committed, `seconds` after its write began."""
-        self.metrics.set(checkpoint_write_seconds=seconds, last_checkpoint_timestamp_seconds=time.time())
-        self.metrics.event("checkpoint_written", step, write_seconds=round(seconds, 3))
+    def _written(self, step: int, seconds: float, cpu_seconds: float) -> None:
+        """From the writer: checkpoint `step` is committed, `seconds` after its write began, having used
+        `cpu_seconds` of CPU time on the writing thread."""
+        self.metrics.set(checkpoint_write_seconds=seconds, checkpoint_write_cpu_seconds=cpu_seconds,
+                         last_checkpoint_timestamp_seconds=time.time())
+        self.metrics.event("checkpoint_written", step, write_seconds=round(seconds, 3),
+                           write_cpu_seconds=round(cpu_seconds, 3))
 
     def rng_state(self) -> dict[str, Any]:
         """This rank's random generators (dropout draws from them): what a checkpoint records."""

@@ -37,7 +37,7 @@ class AsyncSaver:
 
     def __init__(self, root: Path, *, rank: int, barrier: Callable[[], Any], keep_last: int,
                  log: Callable[[str], Any] = print, idle: bool = False,
-                 on_written: Callable[[int, float], Any] | None = None, **writer: Any):
+                 on_written: Callable[[int, float, float], Any] | None = None, **writer: Any):
         self.root = Path(root)
         self.writer = writer  # the Writer's node_local, local_rank and gather (commit.Writer)
         self.rank = rank
@@ -45,7 +45,10 @@ class AsyncSaver:
         self.keep_last = keep_last
         self.log = log
         self.idle = idle
-        self.on_written = on_written  # (step, seconds), from the writer once a checkpoint is committed
+        # (step, seconds, cpu_seconds), from the writer once a checkpoint is committed: the time since its
+        # write began, and the CPU time the writing thread used in it (what it takes from training on a
+        # machine whose cores training keeps busy).
+        self.on_written = on_written
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
@@ -85,7 +88,7 @@ class AsyncSaver:
                shards: Callable[[Path], dict[str, Any]] | None, prune_after: bool = True) -> bool:
         """Write and commit a checkpoint (then prune, with `prune_after`); whether it committed and this
         rank is its node's leader (the one that prunes)."""
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         if self.idle and threading.current_thread() is self._thread:
             _set_policy(0, "SCHED_IDLE")
         try:
@@ -104,7 +107,7 @@ class AsyncSaver:
                     w.write_json(name, obj)
             self.last_path = w.commit()
             if self.on_written is not None:
-                self.on_written(step, time.monotonic() - t0)
+                self.on_written(step, time.monotonic() - t0, time.thread_time() - cpu0)
             if w.leader:  # each node prunes its own disk where the directories are node-local
                 _remember_verified(self._verified, self.last_path)
                 if prune_after:

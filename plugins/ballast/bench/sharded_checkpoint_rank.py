@@ -9,6 +9,7 @@ Ballast's CheckpointManager, on synthetic token ids (the data path is not what i
   first save (the snapshot buffers are allocated then), the following ones (reused), and plain DCP;
 * time lost: the same stretch of training steps without a save, with one synchronous and with one
   asynchronous save in its middle, each stretch ending when the save is committed, in rotated order;
+  with the CPU time the save's writing thread used and the machine's idle core-seconds in the stretch;
 * save and load: Ballast's synchronous save until it has committed (DCP shards hashed as written,
   manifest, commit marker; the pruning it then starts in the background is not timed) and resume
   (`CheckpointManager.load`) against `torch.distributed.checkpoint.save`/`load` of the same sharded
@@ -151,6 +152,8 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
                               "parameters": sum(p.numel() for p in model.parameters()),
                               "memory": {}, "stretch_seconds": {"none": [], "sync": [], "async": []},
                               "async_blocked_seconds": [], "sync_blocked_seconds": [],
+                              "idle_core_seconds": {"none": [], "sync": [], "async": []},
+                              "write_cpu_seconds": {"sync": [], "async": []},
                               "async_write_done_inside_stretch": [],
                               "save_seconds": {"ballast": [], "dcp": []}, "load_seconds": {"ballast": [], "dcp": []},
                               "gate_seconds": [], "gate_found_newest": [],
@@ -213,7 +216,12 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
                     done_inside[0] = thread is None or not thread.is_alive()
                 manager.wait()
 
+            idle0 = _idle_core_seconds()
             result["stretch_seconds"][mode].append(timed(stretch))
+            result["idle_core_seconds"][mode].append(_idle_core_seconds() - idle0)
+            if mode != "none":  # the CPU the save's writing thread used (the training thread's, for a sync one)
+                written = [e for e in metrics.events if e["event"] == "checkpoint_written"]
+                result["write_cpu_seconds"][mode].append(written[-1]["write_cpu_seconds"])
             if mode == "async":
                 result["async_write_done_inside_stretch"].append(done_inside[0])
 
@@ -249,6 +257,17 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     barrier()
     d.close()
     return result
+
+
+def _idle_core_seconds() -> float:
+    """The machine's idle CPU time so far, all cores together (/proc/stat: idle and iowait), in seconds;
+    0.0 where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return 0.0
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
 
 
 def _dcp_load(model: Any, opt: Any, path: Path) -> None:
