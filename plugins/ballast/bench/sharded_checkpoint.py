@@ -152,7 +152,7 @@ def _report(ranks: list[dict[str, Any]], opts: dict[str, Any], *, world: int, de
     # CPU less the cores training leaves idle, spread over the cores (see async_time_lost above).
     cores = int(opts["cores"])
     writer_cpu = [sum(v) for v in zip(*(r["write_cpu_seconds"]["async"] for r in ranks))]
-    idle_none = [r["idle_core_seconds"]["none"] for r in ranks][0]  # the machine's: any rank's reading
+    idle_none = ranks[0]["idle_core_seconds"]["none"]  # the machine's: any rank's reading
     cpu_floor = max(med(writer_cpu) - med(idle_none), 0.0) / cores
 
     # (c) DCP's own time over Ballast's (>= 0.9: Ballast at most ~11% slower).
