@@ -183,8 +183,7 @@ def run(job: NodeJob, rank: int, *, job_ref: str | None = None) -> int:
     rc = proc.wait()
     if syncer is not None:
         syncer.stop()
-        checkpoint_sync.push(ctx, ckpt_dir, node=rank, wait=COMMIT_WAIT_SECONDS if rank == 0 else 0.0)
-        push_outputs(ctx, out_dir, node=rank, unchanged=pulled_history)
+        finish(ctx, out_dir, ckpt_dir, node=rank, pulled_history=pulled_history)
     log.info("launcher exited %d", rc)
     return rc
 
@@ -229,6 +228,16 @@ def pull_history(ctx, out_dir: Path) -> dict[str, tuple[int, int]]:
     except Exception as exc:  # the history is for the view: training goes on without it
         log.warning("could not pull the curve history %s: %s", ctx.storage.describe(key), exc)
     return {}
+
+
+def finish(ctx, out_dir: Path, ckpt_dir: Path, *, node: int, pulled_history: dict[str, tuple[int, int]]) -> None:
+    """Once training ended on this node: its outputs to storage, then its last checkpoint shares (node 0:
+    the commits, waiting up to COMMIT_WAIT_SECONDS for the other nodes' shares). The outputs go first, a
+    few small files: when a rank on another node failed, Slurm (srun --kill-on-bad-exit) kills this
+    agent KillWait after that node's agent exited, which node 0's wait can outlast; pushed after it,
+    rank 0's events and curve history were lost with the kill now and then."""
+    push_outputs(ctx, out_dir, node=node, unchanged=pulled_history)
+    checkpoint_sync.push(ctx, ckpt_dir, node=node, wait=COMMIT_WAIT_SECONDS if node == 0 else 0.0)
 
 
 def push_outputs(ctx, out_dir: Path, *, node: int, unchanged: dict[str, tuple[int, int]] | None = None) -> None:
