@@ -169,7 +169,9 @@ def test_batches_are_bounded_in_rows_and_bytes_and_rows_read_back_by_number(tmp_
     by_bytes = batch_rows_of(pq.ParquetFile(files[0]), ["image", "label"], 1000, 10 * 16)
     assert 1 <= by_bytes < 10, "a batch of about 160 bytes holds fewer than 10 rows of 16+ bytes"
     rows = np.array([0, 17, 49, 50, 79], dtype=np.int64)
-    back = rows_at(files, ds, rows, max_rows=8)
+    parts = list(rows_at(files, ds, rows, max_rows=8))  # one (numbers, table) per batch holding any
+    assert [ids.tolist() for ids, _ in parts] == [[0], [17], [49], [50], [79]]
+    back = pa.concat_tables([t for _, t in parts])
     assert back.column("label").to_pylist() == [r % 3 for r in rows.tolist()]
     assert [v[0] for v in back.column("image").to_pylist()] == [r % 256 for r in rows.tolist()]
 
@@ -329,7 +331,7 @@ print(json.dumps({"small": small, "big": big, "baseline": baseline, "limit": lim
 '''
 
 
-def _spec(tmp_path: Path, name: str, raw: Path) -> Path:
+def _spec(tmp_path: Path, name: str, raw: Path, max_bad_fraction: float = 0.05) -> Path:
     def edit(d):
         d["dataset"]["location"] = str(raw)
         d["dataset"]["fields"] = [{"name": "image", "type": "uint8", "shape": [64, 64]},
@@ -339,7 +341,7 @@ def _spec(tmp_path: Path, name: str, raw: Path) -> Path:
         for r in d["validation"]["rules"]:
             if r["kind"] == "between" and r["column"] == "image":
                 r["max"] = 249
-        d["validation"].update(on_failure="quarantine", max_bad_fraction=0.05)
+        d["validation"].update(on_failure="quarantine", max_bad_fraction=max_bad_fraction)
         d["conversion"]["read_batch_rows"] = 1024
 
     return write_spec(tmp_path / f"{name}.yaml", edit)
@@ -512,3 +514,68 @@ def test_spark_validation_gives_the_report_of_the_batches(tmp_path):
     assert out["spark"][:3] == out["arrow"][:3]
     assert out["spark"][1] == [1, 3, 4, 5, 9]
     assert out["spark"][3] and out["spark"][3].endswith("index.html")
+
+
+QUARANTINE_CHILD = CHILD_HEAD + r'''
+import pyarrow.parquet as pq
+
+def run(spec_file):
+    ctx = RunContext(spec=parse_spec(yaml.safe_load(open(spec_file))), dag_id="ballast_q", run_id="manual__1")
+    r = validate.run(ctx)
+    path = ctx.storage.local_path(r.quarantine.file)   # its row numbers and reasons, not its pixels
+    q = pq.read_table(path, columns=["_row", "_failed"])
+    return {"rows": r.rows, "quarantined": r.quarantine.rows, "first": q.column("_row").to_pylist()[:4],
+            "count": q.num_rows, "reasons": sorted(set(q.column("_failed").to_pylist()))}
+
+spec_small, spec_big, margin = sys.argv[1:4]
+small = run(spec_small)
+quarantine, room = validate._quarantine, []
+
+def limited(*args, **kwargs):                    # the limit from where the quarantine starts
+    limit = vm("VmSize") + int(margin)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    room.append(limit - vm("VmSize"))
+    return quarantine(*args, **kwargs)
+
+validate._quarantine = limited
+big = run(spec_big)
+print(json.dumps({"small": small, "big": big, "room": room[0]}))
+'''
+
+
+@pytest.mark.integration
+def test_quarantined_rows_several_times_the_memory_limit_are_written_a_batch_at_a_time(tmp_path):
+    """Half the rows fail (a pixel of 255): their pixels, several times what the quarantine may add to
+    the process (an address-space limit set as it starts), go to the quarantine file a batch at a time.
+    Before, every failing row was gathered into one table, then into one Parquet buffer."""
+    n, repeat, margin = 4096, 24, 64 << 20          # 12 x 4096 bad rows of 4 KiB = 192 MiB of failing pixels
+
+    def write(path: Path, copies: int) -> None:
+        rng = np.random.default_rng(2)
+        images = rng.integers(0, 250, size=(n, 64 * 64), dtype=np.uint8)
+        images[::2, 7] = 255
+        table = pa.table({"image": pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), 64 * 64)
+                          .cast(pa.list_(pa.uint8())), "label": pa.array(rng.integers(0, 10, size=n))})
+        path.mkdir(parents=True)
+        for k in range(copies):
+            pq.write_table(table, path / f"part-{k:03d}.parquet", row_group_size=1024)
+
+    write(tmp_path / "small", 1)
+    write(tmp_path / "big", repeat)
+    script = tmp_path / "child.py"
+    script.write_text(QUARANTINE_CHILD)
+    env = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "ARROW_DEFAULT_MEMORY_POOL": "system",
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BALLAST_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, str(script), str(_spec(tmp_path, "small", tmp_path / "small", 0.6)),
+                           str(_spec(tmp_path, "big", tmp_path / "big", 0.6)), str(margin)],
+                          check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    small, big = out["small"], out["big"]
+    assert small["quarantined"] == small["count"] == n // 2 and small["first"] == [0, 2, 4, 6]
+    assert big["rows"] == n * repeat and big["quarantined"] == big["count"] == n * repeat // 2
+    assert big["first"] == [0, 2, 4, 6] and big["reasons"] == small["reasons"] and len(small["reasons"]) == 1
+    failing = big["count"] * 64 * 64
+    assert failing > 2.5 * out["room"], f"the failing rows ({failing >> 20} MiB) must be several times the"\
+                                        f" room ({out['room'] >> 20} MiB)"
+    assert not list((tmp_path / "home" / "tmp").glob("quarantine-*")), "the local copy is removed"

@@ -5,7 +5,7 @@ Batches are read with `ParquetFile.iter_batches`, in file order, at most `max_ro
 column sizes). Each batch becomes a frame of scalar and derived columns (`raw.check_frame`: array
 values reduced per row in their own dtype, never widened to float64; a text column's length and
 128-bit digest, from which validation counts the documents repeated across batches in bounded memory).
-Quarantined rows are read back the same way, by their global row number.
+Quarantined rows are read back the same way, by their global row number, a batch at a time.
 """
 
 from __future__ import annotations
@@ -96,16 +96,24 @@ def frames(paths: list[Path], dataset: DatasetSpec, *, max_rows: int = BATCH_ROW
 
 
 def rows_at(paths: list[Path], dataset: DatasetSpec, rows: Any, *, max_rows: int = BATCH_ROWS,
-            max_bytes: int = BATCH_BYTES) -> Any:
-    """The given global rows (sorted int64) of every field, read back a batch at a time: an Arrow table."""
+            max_bytes: int = BATCH_BYTES) -> Iterator[tuple[Any, Any]]:
+    """The given global rows (sorted int64) of every field, read back a batch at a time: (their numbers,
+    an Arrow table of them) per input batch that holds any, each in one schema (the files' schemas
+    unified, as a dataset of several files reads), so that they can go to one Parquet file in turn."""
     import numpy as np
     import pyarrow as pa
 
-    out = []
+    schema = row_schema(paths, dataset)
     for offset, table in batches(paths, dataset, max_rows=max_rows, max_bytes=max_bytes):
         lo, hi = np.searchsorted(rows, [offset, offset + table.num_rows])
         if hi > lo:
-            out.append(table.take(pa.array(rows[lo:hi] - offset)))
-    if not out:
-        return next(batches(paths, dataset, max_rows=1, max_bytes=max_bytes))[1].slice(0, 0)
-    return pa.concat_tables(out, promote_options="permissive")
+            yield rows[lo:hi], table.take(pa.array(rows[lo:hi] - offset)).select(schema.names).cast(schema)
+
+
+def row_schema(paths: list[Path], dataset: DatasetSpec) -> Any:
+    """The schema rows_at's tables have (for a file of none of them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    unified = pa.unify_schemas([pq.read_schema(p) for p in paths], promote_options="permissive")
+    return pa.schema([unified.field(f.name) for f in dataset.fields])

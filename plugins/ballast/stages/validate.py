@@ -136,39 +136,46 @@ def _report(ctx: RunContext, files: list[Path], rules: list[dict], row_indices: 
 
 
 def _quarantine(ctx: RunContext, report, result: ValidateResult, files: list[Path]) -> Quarantine:
-    """Set the failing rows aside in a quarantine file; fail if there are more than allowed."""
-    import io
+    """Set the failing rows aside in a quarantine file; fail if there are more than allowed. The rows are
+    read back and written a batch at a time (to a local file, then to storage): however many fail, no
+    more than one batch of them is held, with 8 bytes per failing row for their numbers."""
+    import tempfile
 
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ballast.data.validate_batches import rows_at
+    from ballast.data.validate_batches import row_schema, rows_at
 
     v = ctx.spec.validation
-    reasons: dict[int, list[str]] = {}
-    for f in report.failures:
-        label = f"{f.expectation}({f.column})" if f.column else f.expectation
-        for i in f.rows or ():
-            reasons.setdefault(i, []).append(label)
-    bad = np.array(sorted(reasons), dtype=np.int64)
+    failed = [(f"{f.expectation}({f.column})" if f.column else f.expectation, np.unique(np.asarray(f.rows, np.int64)))
+              for f in report.failures if f.rows]
+    bad = np.unique(np.concatenate([rows for _, rows in failed])) if failed else np.empty(0, np.int64)
     total = result.rows
     fraction = len(bad) / max(total, 1)
     if fraction > v.max_bad_fraction:
         ctx.save_result("validate", result)
         raise DataError(f"validation.max_bad_fraction: {len(bad)} of {total} rows ({fraction:.2%}) fail"
                         f" expectations, more than the {v.max_bad_fraction:.2%} allowed; {report.summary()}")
-    # The failing rows are read back alone, a batch at a time; the data is never held.
-    rows = rows_at(files, ctx.spec.dataset, bad, max_rows=ctx.spec.conversion.read_batch_rows)
-    rows = rows.append_column("_row", pa.array(bad)).append_column(
-        "_failed", pa.array(["; ".join(reasons[int(i)]) for i in bad]))
-    buf = io.BytesIO()
-    pq.write_table(rows, buf)
     prefix = f"{ctx.run_key}/quarantine"
-    ids = io.BytesIO()
-    np.save(ids, bad, allow_pickle=False)
-    ctx.storage.write_bytes(f"{prefix}/row_ids.npy", ids.getvalue())
-    ctx.storage.write_bytes(f"{prefix}/rows.parquet", buf.getvalue())
+    schema = row_schema(files, ctx.spec.dataset)
+    schema = schema.append(pa.field("_row", pa.int64())).append(pa.field("_failed", pa.string()))
+    spill = ballast_home() / "tmp"
+    spill.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="quarantine-", dir=spill) as tmp:
+        rows_file, ids_file = Path(tmp) / "rows.parquet", Path(tmp) / "row_ids.npy"
+        with pq.ParquetWriter(rows_file, schema) as writer:
+            for ids, table in rows_at(files, ctx.spec.dataset, bad, max_rows=ctx.spec.conversion.read_batch_rows):
+                reasons = [[] for _ in range(len(ids))]
+                for label, rows in failed:
+                    at = np.minimum(np.searchsorted(rows, ids), len(rows) - 1)
+                    for i in np.flatnonzero(rows[at] == ids):
+                        reasons[i].append(label)
+                writer.write_table(table.append_column("_row", pa.array(ids)).append_column(
+                    "_failed", pa.array(["; ".join(r) for r in reasons], pa.string())))
+        np.save(ids_file, bad, allow_pickle=False)
+        ctx.storage.upload(ids_file, f"{prefix}/row_ids.npy")
+        ctx.storage.upload(rows_file, f"{prefix}/rows.parquet")
     ctx.log.warning("quarantined %d of %d rows (%.2f%%, limit %.2f%%) into %s; the other rows go on", len(bad),
                     total, 100 * fraction, 100 * v.max_bad_fraction,
                     ctx.storage.describe(f"{prefix}/rows.parquet"))
