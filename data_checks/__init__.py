@@ -29,7 +29,7 @@ class Failure:
     detail: str
     unexpected_count: int | None = None
     examples: list[Any] = field(default_factory=list)
-    rows: list[int] | None = None  # indices of the failing rows (row-level expectations, complete results)
+    rows: Any = None  # the failing rows' numbers (row-level expectations, complete results): a list or int64 array
 
     def line(self) -> str:
         where = f" on {self.column}" if self.column else ""

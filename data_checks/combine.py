@@ -10,13 +10,15 @@ judges the combined metrics, so `mostly` is judged on the totals and the results
 format; one suite result is stored and GX renders the Data Docs site from it.
 
 Memory is bounded by one batch plus the aggregates: a counter per balance column (one entry per
-distinct value), the failing rows' indices, and per `unique` column and text column with a
+distinct value), the failing rows' numbers (8 bytes each; GX's stored result, and so its Data Docs,
+keep the first INDICES of them, the Report all), and per `unique` column and text column with a
 `duplicate_share` rule a bounded buffer of values (`repeats.Repeats`: past its budget the values go to
 hash partitions on disk, each judged on its own at the end).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,6 +27,9 @@ from typing import Any
 from ballast.data_checks import Report, expectations_for, report_of
 
 PARTIAL = 5  # unexpected values kept per expectation, as the one-shot result keeps
+INDICES = 20
+"""Failing rows' numbers in GX's stored result (and its Data Docs) per expectation, as GX's partial lists
+keep: the Report carries them all (8 bytes a row, for the quarantine), GX's result JSON does not."""
 
 
 class BatchValidation:
@@ -117,7 +122,14 @@ class BatchValidation:
                         "success_percent": stats.success_percent},
             meta=dict(self.meta or {}), batch_id=self.batch_id)
         docs = publish(self.context, self.suite, suite_result, self.batch_id)
-        return report_of(suite_result, rows=self.rows, docs_dir=docs)
+        report = report_of(suite_result, rows=self.rows, docs_dir=docs)
+        # Every failing row's number, where GX's result keeps the first INDICES.
+        failed = [i for i, res in enumerate(results) if not res.success]
+        for failure, i in zip(report.failures, failed, strict=True):
+            if failure.rows is not None:
+                failure.rows = self.partial[i].rows() if i in self.partial else \
+                    self.aggregates.unique[self.expectations[i].column].rows
+        return report
 
 
 def is_row_level(exp: Any) -> bool:
@@ -137,7 +149,7 @@ class RowLevel:
         self.missing: int | None = 0
         self.unexpected = 0
         self.values: list[Any] = []
-        self.indices: list[int] = []
+        self.indices = array("q")  # every failing row's number, 8 bytes each
         self.exception: Any = None
 
     def add(self, res: Any) -> None:
@@ -155,10 +167,16 @@ class RowLevel:
             self.values.extend(list(info.get("partial_unexpected_list") or [])[:PARTIAL - len(self.values)])
         self.indices.extend(int(i) for i in info.get("unexpected_index_list") or ())
 
+    def rows(self) -> Any:
+        import numpy as np
+
+        return np.frombuffer(self.indices, dtype=np.int64) if self.indices else np.zeros(0, np.int64)
+
     def metrics(self, exp: Any) -> dict:
         m = exp.map_metric
         out = {"table.row_count": self.element, f"{m}.unexpected_count": self.unexpected,
-               f"{m}.unexpected_values": list(self.values), f"{m}.unexpected_index_list": list(self.indices)}
+               f"{m}.unexpected_values": list(self.values),
+               f"{m}.unexpected_index_list": self.indices[:INDICES].tolist()}
         if self.missing is not None:
             out["column_values.nonnull.unexpected_count"] = self.missing
         return out
@@ -241,6 +259,7 @@ class Unique:
 
         self.repeats = Repeats(("value",), rows=True, examples=PARTIAL, directory=spill_dir)
         self.nulls = 0
+        self.rows: Any = None  # the failing rows' numbers, once judged
 
     def add(self, column: Any) -> None:
         import numpy as np
@@ -253,9 +272,10 @@ class Unique:
     def metrics(self, exp: Any, rows: int) -> dict:
         m = exp.map_metric
         found = self.repeats.finish()
+        self.rows = found.rows
         return {"table.row_count": rows, "column_values.nonnull.unexpected_count": self.nulls,
                 f"{m}.unexpected_count": len(found.rows), f"{m}.unexpected_values": found.examples,
-                f"{m}.unexpected_index_list": found.rows.tolist()}
+                f"{m}.unexpected_index_list": found.rows[:INDICES].tolist()}
 
 
 class Duplicates:

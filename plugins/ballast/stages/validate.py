@@ -149,7 +149,7 @@ def _quarantine(ctx: RunContext, report, result: ValidateResult, files: list[Pat
 
     v = ctx.spec.validation
     failed = [(f"{f.expectation}({f.column})" if f.column else f.expectation, np.unique(np.asarray(f.rows, np.int64)))
-              for f in report.failures if f.rows]
+              for f in report.failures if f.rows is not None and len(f.rows)]
     bad = np.unique(np.concatenate([rows for _, rows in failed])) if failed else np.empty(0, np.int64)
     total = result.rows
     fraction = len(bad) / max(total, 1)
