@@ -35,3 +35,11 @@ def test_the_json_holds_six_targets_and_the_raw_figures():
     assert t["evaluate_peak_rss_10x_vs_1x"]["value"] == 1.0
     ev = out["stages"]["evaluate"]["10x"]
     assert ev == {"rows": 150, "bytes": 165000, "seconds": 4.0, "rows_per_second": 38, "peak_rss_bytes": 2000}
+
+
+def test_evaluate_takes_its_median_run_whole():
+    from ballast.bench.scale import median_run
+
+    runs = [_fig(15, 0.5, 2000), _fig(15, 0.2, 2100), _fig(15, 0.3, 1900)]
+    assert median_run(runs) == {**_fig(15, 0.3, 1900), "runs_seconds": [0.5, 0.2, 0.3]}
+    assert median_run(runs[:1]) == {**runs[0], "runs_seconds": [0.5]}
