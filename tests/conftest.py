@@ -84,13 +84,21 @@ def digits_raw() -> Path:
 
 
 @pytest.fixture(scope="session")
-def digits_cache(tmp_path_factory, digits_raw):
+def digits_cache(tmp_path_factory, request):
     """The digits data validated, converted and warmed (every phase) once for the session: the
     WarmCacheResult whose cache_dir training runs read. Read-only: a test that damages or rewrites a
-    cache builds its own (make_ctx + run_chain)."""
+    cache builds its own (make_ctx + run_chain). With BALLAST_TEST_DIGITS_CACHE, the one tests/gpu_cache.py
+    made in that folder (for a GPU machine, which has torch but not the data stack)."""
+    prepared = os.environ.get("BALLAST_TEST_DIGITS_CACHE")
+    if prepared:
+        from ballast.records import WarmCacheResult
+
+        folder = Path(prepared).resolve()
+        result = WarmCacheResult.model_validate_json((folder / "warm_cache.json").read_text())
+        return result.model_copy(update={"cache_dir": str(folder / result.cache_dir)})
     from ballast.stages import convert, validate, warm_cache
 
-    ctx = make_ctx(tmp_path_factory.mktemp("digits-cache"), digits_raw)
+    ctx = make_ctx(tmp_path_factory.mktemp("digits-cache"), request.getfixturevalue("digits_raw"))
     return run_chain(ctx, validate, convert, warm_cache, warm_cache_rest)["warm_cache"]
 
 

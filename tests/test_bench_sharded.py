@@ -90,7 +90,7 @@ def test_the_small_bench_reports_every_target_and_leaves_no_rank_running():
     for name, entry in out["targets"].items():
         assert {"value", "target", "met"} <= set(entry), name
         assert isinstance(entry["met"], bool) and entry["value"] >= 0, (name, entry)
-    assert out["ranks"] == 2 and len(out["memory"]) == 2
+    assert out["ranks"] == 2 and len(out["memory"]) == 2 and out["state_format"] == "dcp"
     for m in out["memory"]:
         assert m["own_shard_bytes"] > 0 and m["bound_bytes"] > m["own_shard_bytes"]
         assert set(m["by_save"]) == {"ballast_async_first", "ballast_sync", "ballast_async", "dcp_save"}
@@ -106,6 +106,25 @@ def test_the_small_bench_reports_every_target_and_leaves_no_rank_running():
     assert out["targets"]["async_time_lost"]["cores"] >= 1
     assert out["state_restored_exactly"] is True and out["resume_gate_passed_newest"] is True
     assert len(out["resume_gate_seconds"]) == out["io_repeats"]
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.integration
+def test_one_rank_runs_the_sharded_path_in_a_group_of_one_with_stretches_sized_by_time(monkeypatch):
+    """A machine of one GPU runs one rank: in a process group of one, so that its checkpoints are DCP's
+    sharded ones (as on many ranks), not the single-process format. With `stretch_seconds` (the GPU's shape)
+    each stretch runs as many steps as fill it, timed after the warm-up."""
+    import multiprocessing
+
+    monkeypatch.setitem(bench.SMALL, "stretch_seconds", 0.5)
+    out = bench.bench_sharded_checkpoint(small=True, timeout=120, ranks=1)
+    assert out["ranks"] == 1 and out["state_bytes"] == out["memory"][0]["own_shard_bytes"]
+    assert out["step_seconds"] > 0
+    assert out["stretch_steps"] >= max(bench.SMALL["stretch_steps"], 0.5 / out["step_seconds"])
+    assert out["stretch_steps"] % 2 == 0
+    assert min(out["stretch_seconds"]["none"]) >= 0.5 * 0.5  # the steps fill about the time asked for
+    assert out["state_format"] == "dcp"  # DCP's sharded checkpoint, not the single-process files
+    assert out["state_restored_exactly"] is True and out["resume_gate_passed_newest"] is True
     assert not multiprocessing.active_children()
 
 

@@ -24,6 +24,7 @@ Timings are taken between barriers on every rank; the parent takes the slowest r
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import threading
@@ -105,6 +106,8 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(int(opts["threads"]))
     d = Distributed(DistributedConfig(parallelism="fsdp", backend=opts["backend"], timeout_seconds=900))
+    if not d.enabled:
+        _group_of_one(d, opts["backend"])
     torch.manual_seed(0)
     seq, vocab = int(opts["seq_len"]), int(opts["vocab"])
     section = ModelConfig(name="gpt", options={"layers": opts["layers"], "width": opts["width"],
@@ -146,9 +149,16 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
 
     for _ in range(int(opts["warmup_steps"])):
         step()  # the optimizer's state exists from here: the state is its final size
+    steps = int(opts["stretch_steps"])
+    step_seconds = timed(lambda: [step() for _ in range(2)]) / 2
+    if opts.get("stretch_seconds"):  # as many steps as fill it, the same on every rank (the slowest's)
+        longest = d.all_sum([step_seconds if r == rank else 0.0 for r in range(d.world)])
+        step_seconds = max(longest)
+        steps = max(steps, 2 * math.ceil(float(opts["stretch_seconds"]) / step_seconds / 2))
     sharded, _ = ballast_dcp.sharded_state(model, opt)
     own = sum(_local(t).numel() * _local(t).element_size() for t in _leaves(sharded))
-    result: dict[str, Any] = {"rank": rank, "own_shard_bytes": own, "rss_before_first_save": _rss(),
+    result: dict[str, Any] = {"rank": rank, "own_shard_bytes": own, "stretch_steps": steps,
+                              "step_seconds": round(step_seconds, 4), "rss_before_first_save": _rss(),
                               "parameters": sum(p.numel() for p in model.parameters()),
                               "memory": {}, "stretch_seconds": {"none": [], "sync": [], "async": []},
                               "async_blocked_seconds": [], "sync_blocked_seconds": [],
@@ -198,7 +208,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     _drop(path, rank, barrier)
 
     # (b) training time lost: one save in the middle of a stretch of steps, the stretch ending once it is committed.
-    steps, middle = int(opts["stretch_steps"]), int(opts["stretch_steps"]) // 2
+    middle = steps // 2
     modes = ["none", "sync", "async"]
     for rep in range(int(opts["repeats"])):
         for mode in modes[rep % 3:] + modes[:rep % 3]:
@@ -254,9 +264,28 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
         _drop(path, rank, barrier)
     result["rss_end"] = _rss()
     result["events"] = [e for e in metrics.events if e["event"] == "checkpoint"][-3:]
+    from ballast.training.checkpoint.commit import read_trainer_state
+
+    result["state_format"] = read_trainer_state(manager.saver.last_path)["state_format"]  # "dcp": sharded
     barrier()
     d.close()
     return result
+
+
+def _group_of_one(d: Any, backend: str) -> None:
+    """One rank alone (a machine of one GPU): a process group of one, so that the model is sharded with
+    FSDP2 and checkpointed through DCP as on many ranks (Ballast itself trains one process unsharded)."""
+    import datetime as dt
+
+    import torch
+    import torch.distributed as dist
+
+    if d.device.type == "cuda":
+        torch.cuda.set_device(d.device)
+    timeout = dt.timedelta(seconds=900)
+    dist.init_process_group(backend, rank=0, world_size=1, timeout=timeout)
+    d.ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    d.enabled = True
 
 
 def _idle_core_seconds() -> float:
