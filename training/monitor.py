@@ -64,9 +64,9 @@ def grad_stats(parameters, *, lo: int = -40, hi: int = 8, chunk: int = 1 << 20) 
     """
     import torch
 
-    exponents = torch.zeros(256, dtype=torch.int64)  # by biased float32 exponent: 0 zero/denormal, 255 inf/nan
-    bits = torch.empty(chunk, dtype=torch.int32)
-    as_f32 = torch.empty(chunk, dtype=torch.float32)
+    # Per device the gradients are on (a GPU's are counted there, summed on the host once at the end): by
+    # biased float32 exponent (0 zero/denormal, 255 inf/nan), and the chunk buffers.
+    buffers: dict[Any, tuple[Any, Any, Any]] = {}
     total = zeros = 0
     max_abs = 0.0
     for p in parameters:
@@ -76,6 +76,11 @@ def grad_stats(parameters, *, lo: int = -40, hi: int = 8, chunk: int = 1 << 20) 
         g = (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().reshape(-1)
         if g.numel() == 0:
             continue
+        if g.device not in buffers:
+            buffers[g.device] = (torch.zeros(256, dtype=torch.int64, device=g.device),
+                                 torch.empty(chunk, dtype=torch.int32, device=g.device),
+                                 torch.empty(chunk, dtype=torch.float32, device=g.device))
+        exponents, bits, as_f32 = buffers[g.device]
         total += g.numel()
         zeros += g.numel() - int(torch.count_nonzero(g))
         lo_v, hi_v = torch.aminmax(g)
@@ -92,7 +97,7 @@ def grad_stats(parameters, *, lo: int = -40, hi: int = 8, chunk: int = 1 << 20) 
             exponents += torch.bincount(b.bitwise_right_shift_(23), minlength=256)
     if not total:
         return {}
-    counts = exponents.tolist()
+    counts = sum(e.cpu() for e, _, _ in buffers.values()).tolist()
     # Biased exponent e (1..254) holds 2^(e-127) <= |g| < 2^(e-126).
     first, last = lo + 127, hi + 127 - 1
     hist = [0] * (hi - lo)

@@ -80,6 +80,8 @@ def run(rank: int, world: int, port: int, parent: int, opts: dict[str, Any]) -> 
     from ballast.training.parentdeath import die_with_parent
 
     die_with_parent(signal.SIGKILL, parent)  # never outlives the bench
+    if opts["backend"] == "gloo":  # the CPU bench, also on a machine with GPUs (torch not imported yet)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     out = Path(opts["out"])
