@@ -484,3 +484,32 @@ def test_the_orchestrator_allows_environment_faults_only_in_a_rehearsal_try():
     assert run_config(spec, faults=(), **paths).rehearsal.env_faults is False  # rehearsal off, or a scheduled run
     rehearsal = run_config(spec, faults=(FaultSettings(kind="oom", step=2),), **paths).rehearsal
     assert rehearsal.env_faults is True
+
+
+@pytest.mark.unit
+def test_a_rollback_closes_the_loss_scalers_step_so_the_next_step_can_unscale(tmp_path):
+    """fp16 on a GPU: the step a spike abandons has unscaled its gradients; without closing that step the
+    next one's unscale_ raised "unscale_() has already been called" (a CPU GradScaler, enabled, the same code)."""
+    from types import SimpleNamespace
+
+    import torch
+    from ballast.training.state import TrainState
+    from ballast.training.trainer import Trainer
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+
+    def step():
+        scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+        scaler.unscale_(opt)  # as Trainer._step does before clipping and judging the step
+
+    step()
+    loaded = []
+    me = SimpleNamespace(checkpoints=SimpleNamespace(wait=lambda: None, latest=lambda: tmp_path / "step-00000001"),
+                         anomalies=SimpleNamespace(may_roll_back_to=lambda name: True), opt=opt, scaler=scaler,
+                         state=TrainState(), log=lambda m: None, resume=loaded.append)
+    assert Trainer._rollback(me) is True and loaded == [tmp_path / "step-00000001"]
+    step()  # the next step after the rollback unscales again
+    scaler.step(opt)
+    scaler.update()

@@ -11,8 +11,7 @@ step (the pieces live in their own modules; this one is the loop):
   rank after the gradient all-reduce, tells whether the gradients are finite;
 * the anomaly policy (`training.anomaly`) judges each step: non-finite loss or gradients checkpoint
   the last good state with the batch on a skip list and exit with the divergence code (the next try
-  skips it); a loss spike raises an alert and either checkpoints the last good state or rolls back to
-  the last checkpoint with the batch skipped;
+  skips it); a loss spike raises an alert and checkpoints the last good state or rolls back (batch skipped);
 * SIGTERM (preemption): a synchronous checkpoint within the grace period, then the preempted code;
 * a watchdog ends a process that makes no progress for the hang timeout, after dumping stacks.
 """
@@ -328,6 +327,7 @@ class Trainer:
                      f" {self.anomalies.rollbacks_to(path.name)} times to {path.name}; continuing without rollback")
             return False
         self.opt.zero_grad(set_to_none=True)
+        self.scaler.update()  # close the abandoned step's unscale_ (fp16), or the next raises; the load restores the scale
         self.resume(path)
         self.state.skip.add(bad)
         self.log(f"loss spike at epoch {bad[0]} batch {bad[1]}: rolled back to {path.name}, batch skipped")
