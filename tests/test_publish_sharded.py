@@ -451,8 +451,11 @@ with torch.no_grad():
     theirs = hf(input_ids=expected["tokens"], use_cache=False).logits
     again = ours(expected["tokens"])
 blocks = [name for name, m in ours.named_modules() if any(m is b for b in ours.ballast_blocks())]
+# The same weights saved in fp16 (their config says so, and transformers loads them so): Ballast trains fp32 weights
+hf.half().save_pretrained(out + "/fp16")
+half = build_configured_model(ModelConfig.model_validate({**section, "options": {"path": out + "/fp16"}}))
 print(json.dumps({"class": type(hf).__name__, "info": {k: sorted(map(str, v)) for k, v in info.items()},
-                  "blocks": blocks,
+                  "blocks": blocks, "fp16_saved_dtypes": sorted({str(p.dtype) for p in half.parameters()}),
                   "transformers": torch.equal(theirs, expected["logits"]), "ballast": torch.equal(again, expected["logits"]),
                   "max_diff": float((theirs - expected["logits"]).abs().max())}))
 """
@@ -483,3 +486,6 @@ def test_a_hf_causal_lm_published_in_shards_loads_with_transformers_from_pretrai
     assert got["transformers"] and got["ballast"], got
     # FSDP shards it per Transformer layer: its blocks are transformers' _no_split_modules (GPT2Block)
     assert got["blocks"] == ["model.transformer.h.0", "model.transformer.h.1"], got["blocks"]
+    # weights saved in fp16 are trained as fp32 (fp16's loss scaler refuses fp16 gradients; the precision
+    # policy casts the compute)
+    assert got["fp16_saved_dtypes"] == ["torch.float32"], got

@@ -44,6 +44,10 @@ def hf_causal_lm(options: dict[str, Any], data: dict[str, Any]) -> Any:
         kind = settings.pop("model_type")
         config = transformers.AutoConfig.for_model(kind, **settings)
         inner = transformers.AutoModelForCausalLM.from_config(config)
+    # Weights saved in fp16 or bf16 load in that dtype (transformers honours the config's dtype): the
+    # trainer keeps fp32 weights and lets `training.precision` cast the compute (fp16's loss scaler
+    # refuses fp16 gradients outright).
+    inner = inner.float()
     vocab = int(inner.get_input_embeddings().num_embeddings)
     if data.get("vocab_size") and int(data["vocab_size"]) > vocab:
         raise ValueError(f"the model's vocabulary has {vocab} tokens, the dataset's tokenizer {data['vocab_size']}")
