@@ -123,3 +123,32 @@ def test_discovery_lists_the_ports_the_ranks_bound(tmp_path, monkeypatch):
     finally:
         prometheus_sd.withdraw(path)
     assert not path.exists()
+
+
+@pytest.mark.unit
+def test_nvml_reads_the_gpu_this_process_uses_by_uuid_not_by_cuda_index(monkeypatch):
+    """With CUDA_VISIBLE_DEVICES=2,3 CUDA's device 0 is the machine's GPU 2: NVML (which numbers every GPU)
+    is asked by the device's UUID; by index only where the UUID is not known to it."""
+    import sys
+    import types
+
+    import torch
+    from ballast.training.monitor import Nvml
+
+    asked = []
+    nv = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda u: asked.append(("uuid", u)) or f"handle:{u}",
+        nvmlDeviceGetHandleByIndex=lambda i: asked.append(("index", i)) or f"handle:{i}")
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(uuid="8f0a1b2c-0000-1111-2222-333344445555"))
+    assert Nvml(torch.device("cuda", 0)).handle == "handle:GPU-8f0a1b2c-0000-1111-2222-333344445555"
+    assert asked == [("uuid", "GPU-8f0a1b2c-0000-1111-2222-333344445555")]
+
+    def unknown(u):
+        raise RuntimeError("NVML_ERROR_NOT_FOUND")
+
+    nv.nvmlDeviceGetHandleByUUID = unknown
+    assert Nvml(torch.device("cuda", 1)).handle == "handle:1"
+    assert Nvml(None).handle is None

@@ -299,18 +299,30 @@ def memory_bytes(device) -> int:
 class Nvml:
     """GPU utilisation and temperature through NVML; absent (None) on machines without it."""
 
-    def __init__(self, device_index: int | None):
+    def __init__(self, device: Any | None):
+        """`device`: this process's torch CUDA device, or None."""
         self.handle = None
-        if device_index is None:
+        if device is None:
             return
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
             self._nv = pynvml
         except Exception:
-            self.handle = None
+            return
+        try:
+            # By UUID: CUDA's index counts the devices CUDA_VISIBLE_DEVICES leaves (in its order), NVML's
+            # every device on the machine, so with CUDA_VISIBLE_DEVICES=2,3 index 0 is another GPU.
+            import torch
+
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
+        except Exception:
+            try:
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index)
+            except Exception:
+                self.handle = None
 
     def read(self) -> dict[str, float]:
         if self.handle is None:

@@ -38,7 +38,7 @@ class Supervision:
         self.hang_timeout, self.preempt_grace, self.step = hang_timeout, preempt_grace, step
         self.preempt_at: float | None = None
         self._slow_at = 0.0  # last heartbeat-file write and slow-gauge read
-        self.nvml = Nvml(device.index if device.type == "cuda" else None)
+        self.nvml = Nvml(device if device.type == "cuda" else None)
         self.watchdog = Watchdog(hang_timeout, out_dir=out, rank=rank, on_hang=self._on_hang).start()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         (out / f"pid-rank{rank}").write_text(str(os.getpid()))  # which process is which rank, for the outside
