@@ -179,3 +179,25 @@ def test_pruning_counts_only_checkpoints_that_verify(tmp_path):
     save(saver, 40)
     ckpt.prune(tmp_path, keep_last=2)
     assert [p.name for p in ckpt.committed(tmp_path)] == steps(20, 30, 40)
+
+
+@pytest.mark.unit
+def test_a_background_write_shortens_the_switch_interval_while_it_runs_and_restores_it(tmp_path):
+    """Training waits for the GIL up to one switch interval each time it comes back from an op, while the
+    writer holds it in DCP's Python code: the writer shortens the interval for its write, a synchronous save
+    (training's own thread) leaves it as it is."""
+    import sys
+
+    import torch
+    from ballast.training.checkpoint.saver import SWITCH_INTERVAL
+
+    seen = []
+    saver = ckpt.AsyncSaver(tmp_path / "ckpt", rank=0, barrier=lambda: None, keep_last=2,
+                            on_written=lambda step, s, cpu: seen.append((step, sys.getswitchinterval())))
+    before = sys.getswitchinterval()
+    for step, asynchronous in ((1, True), (2, False)):
+        saver.save(step, {"model.pt": {"w": torch.ones(4)}}, {ckpt.TRAINER_STATE: {"step": step}}, keep=set(),
+                   asynchronous=asynchronous)
+        saver.wait()
+        assert sys.getswitchinterval() == before
+    assert seen == [(1, SWITCH_INTERVAL), (2, before)] and SWITCH_INTERVAL < before
