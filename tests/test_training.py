@@ -513,6 +513,34 @@ def test_checkpoint_files_written_direct_or_buffered_are_torch_save_bytes(tmp_pa
 
 
 @pytest.mark.unit
+def test_large_slices_are_hashed_in_a_thread_while_they_are_written(tmp_path, monkeypatch):
+    """A slice of 1 MiB or more is hashed in a thread of its own beside its write; the digest is still the
+    sha256 of the bytes on disk, in order, with small slices (the file's last) hashed inline."""
+    import hashlib
+    import threading
+
+    from ballast.training.checkpoint import fileio
+
+    started = []
+
+    class Spy(threading.Thread):
+        def start(self):
+            started.append(self.name)
+            super().start()
+
+    monkeypatch.setattr(fileio.threading, "Thread", Spy)
+    data = os.urandom((8 << 20) + 12345)  # 4 slices of 2 MiB through the staging buffer, then a small one
+    w = ckpt._FileWriter(tmp_path / "f.bin", ckpt.staging_buffer(2 << 20))
+    for lo in range(0, len(data), 3 << 20):
+        w.write(memoryview(data)[lo:lo + (3 << 20)])
+    w.close()
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert w.digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert started == ["ckpt-hash"] * 4
+    assert fileio.helper_cpu_seconds() > 0  # their CPU, for this thread's account (the saver's write_cpu_seconds)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("refuse", [None, "open"])
 def test_dcp_shards_are_written_direct_and_hashed_as_they_go(tmp_path, monkeypatch, refuse):
     """checkpoint.dcp.write: DCP's shard file goes through the O_DIRECT writer (a small staging buffer

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.training.checkpoint.commit import Writer, prune
-from ballast.training.checkpoint.fileio import staging_buffer
+from ballast.training.checkpoint.fileio import helper_cpu_seconds, staging_buffer
 from ballast.training.failure import CheckpointFailure, TrainingFailure, classify
 from ballast.training.forkgate import GATE
 
@@ -107,7 +107,7 @@ class AsyncSaver:
                shards: Callable[[Path], dict[str, Any]] | None, prune_after: bool = True) -> bool:
         """Write and commit a checkpoint (then prune, with `prune_after`); whether it committed and this
         rank is its node's leader (the one that prunes)."""
-        t0, cpu0 = time.monotonic(), time.thread_time()
+        t0, cpu0 = time.monotonic(), time.thread_time() + helper_cpu_seconds()  # with its hashing threads'
         background = threading.current_thread() is self._thread
         if self.idle and background:
             _set_policy(0, "SCHED_IDLE")
@@ -129,7 +129,7 @@ class AsyncSaver:
                         w.write_json(name, obj)
                 self.last_path = w.commit()
                 if self.on_written is not None:
-                    self.on_written(step, time.monotonic() - t0, time.thread_time() - cpu0)
+                    self.on_written(step, time.monotonic() - t0, time.thread_time() + helper_cpu_seconds() - cpu0)
                 if w.leader:  # each node prunes its own disk where the directories are node-local
                     _remember_verified(self._verified, self.last_path)
                     if prune_after:
