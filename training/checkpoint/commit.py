@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ballast.training.checkpoint.fileio import _FileWriter, sha256_file, staging_buffer
+from ballast.training.checkpoint.fileio import _FileWriter, open_file, sha256_file, staging_buffer
 from ballast.training.failure import CheckpointFailure
 
 COMMIT_MARKER = "COMMITTED"
@@ -265,7 +265,7 @@ class Writer:
     def _open(self, name: str) -> Iterator[_FileWriter]:
         """A file in the checkpoint, hashed while it is written (commit needs no second read of it);
         the digest goes to a sidecar that commit folds into the manifest and removes."""
-        out = _FileWriter(self.tmp / name, self.staging)
+        out = open_file(self.tmp / name, self.staging)
         try:
             yield out
         except BaseException:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.training.checkpoint.commit import DCP_METADATA, share_of
-from ballast.training.checkpoint.fileio import _FileWriter, load_tensors, staging_buffer
+from ballast.training.checkpoint.fileio import load_tensors, open_file, staging_buffer
 from ballast.training.failure import CheckpointFailure
 
 MODEL, OPTIM = "model", "optim"
@@ -113,7 +113,7 @@ def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = Non
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            stream = _FileWriter(Path(path), buffer)
+            stream = open_file(Path(path), buffer)  # within fileio.offloading: written by the writer process
             try:
                 yield stream
             except BaseException as exc:

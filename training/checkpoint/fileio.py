@@ -187,6 +187,31 @@ class _FileWriter:
 
 
 _HELPERS = threading.local()
+_OFFLOAD = threading.local()
+
+
+class offloading:
+    """Within it, the checkpoint files this thread opens (`open_file`) are written by `process`, a
+    checkpoint.writer_process.WriterProcess (None: by this thread)."""
+
+    def __init__(self, process: Any):
+        self.process = process
+
+    def __enter__(self) -> None:
+        self.before = getattr(_OFFLOAD, "process", None)
+        _OFFLOAD.process = self.process
+
+    def __exit__(self, *exc: Any) -> None:
+        _OFFLOAD.process = self.before
+
+
+def open_file(path: Path, staging: Any) -> Any:
+    """A checkpoint file's stream, hashed as it is written: a _FileWriter, or within `offloading` a
+    writer_process.PlanWriter (the same interface), whose bytes the writer process writes."""
+    process = getattr(_OFFLOAD, "process", None)
+    if process is not None and process.alive():
+        return process.open(path, staging)
+    return _FileWriter(path, staging)
 
 
 def helper_cpu_seconds() -> float:

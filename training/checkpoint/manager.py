@@ -40,12 +40,14 @@ class CheckpointManager:
         self.sharded = parallelism == "fsdp" and dist.enabled  # FSDP state: sharded checkpoints (DCP)
         self.metrics, self.log = metrics, log
         metrics.set(checkpoint_interval_seconds=cfg.every_seconds)  # the stale-checkpoint alert's bound
-        self.snapshot = Snapshot(pin=dist.device.type == "cuda")
         self.saver = AsyncSaver(self.root, rank=dist.rank, barrier=dist.ckpt_barrier,
                                 idle=cfg.writer_priority == "idle", on_written=self._written,
+                                process=cfg.writer_process and cfg.asynchronous,
                                 keep_last=cfg.keep_last, log=log, local_rank=dist.local_rank,
                                 node_local=cfg.node_local and dist.enabled,
                                 gather=lambda obj: gather_json(obj, dist.ckpt_group))
+        # The snapshot's buffers in shared memory where a writer process writes them (checkpoint.writer_process).
+        self.snapshot = Snapshot(pin=dist.device.type == "cuda", shared=self.saver.use_process)
         self.last_save = time.monotonic()
 
     # -- saving ------------------------------------------------------------------------------------
@@ -55,6 +57,8 @@ class CheckpointManager:
         not inside the first save, which a preemption notice may be waiting on."""
         if not self.snapshot.buffers:
             self._snapshot()
+        if self.cfg.asynchronous:
+            self.saver.start_process()
 
     def save(self, reason: str, *, asynchronous: bool | None = None, rng: dict | None = None) -> None:
         """Checkpoint the state as it is now; `rng`: the random generators' states to record instead of

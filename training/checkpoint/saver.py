@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -15,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ballast.training.checkpoint import arena, writer_process
 from ballast.training.checkpoint.commit import Writer, prune
-from ballast.training.checkpoint.fileio import helper_cpu_seconds, staging_buffer
+from ballast.training.checkpoint.fileio import helper_cpu_seconds, offloading, staging_buffer
 from ballast.training.failure import CheckpointFailure, TrainingFailure, classify
 from ballast.training.forkgate import GATE
 
@@ -55,7 +57,7 @@ class AsyncSaver:
     """
 
     def __init__(self, root: Path, *, rank: int, barrier: Callable[[], Any], keep_last: int,
-                 log: Callable[[str], Any] = print, idle: bool = False,
+                 log: Callable[[str], Any] = print, idle: bool = False, process: bool = False,
                  on_written: Callable[[int, float, float], Any] | None = None, **writer: Any):
         self.root = Path(root)
         self.writer = writer  # the Writer's node_local, local_rank and gather (commit.Writer)
@@ -73,6 +75,10 @@ class AsyncSaver:
         self.last_path: Path | None = None
         self.staging = staging_buffer()  # one save at a time: the writer's staging buffer is reused (DCP's shards too)
         self._verified: dict[Path, tuple] = {}  # what prune has verified (commit.prune's memo)
+        # Background writes' bytes written by a process of their own (checkpoint.writer_process), started
+        # at the first one; None until then, and for good where it could not be started.
+        self.use_process = process and arena.available()
+        self.process: writer_process.WriterProcess | None = None
 
     def save(self, step: int, tensors: dict[str, Any], jsons: dict[str, Any], *, keep: set[int],
              asynchronous: bool = True, shards: Callable[[Path], dict[str, Any]] | None = None) -> None:
@@ -88,7 +94,29 @@ class AsyncSaver:
             if leader:
                 self._start(self._prune, (keep,), f"ckpt-{step}-prune")
             return
+        self.start_process()
         self._start(self._write, args, f"ckpt-{step}")
+
+    def start_process(self) -> None:
+        """Start the writer process, from the thread that saves (its parent-death signal is tied to the
+        thread that started it: the training thread, which outlives every save)."""
+        if not self.use_process or (self.process is not None and self.process.alive()):
+            return
+        if self.process is not None:  # it died: the write of that save fell back to this process
+            self.process.close()
+        try:
+            self.process = writer_process.WriterProcess(idle=self.idle, log=self.log)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            self.use_process, self.process = False, None
+            self.log(f"checkpoint writer process not started ({exc}); background saves are written by a thread")
+
+    def close(self) -> None:
+        """Wait for the save in flight, then end the writer process (also when the saver is collected)."""
+        try:
+            self.wait()
+        finally:
+            if self.process is not None:
+                self.process.close()
 
     def _start(self, target: Callable[..., Any], args: tuple, name: str) -> None:
         self._thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -109,10 +137,14 @@ class AsyncSaver:
         rank is its node's leader (the one that prunes)."""
         t0, cpu0 = time.monotonic(), time.thread_time() + helper_cpu_seconds()  # with its hashing threads'
         background = threading.current_thread() is self._thread
+        process = self.process if background and self.process is not None and self.process.alive() else None
         if self.idle and background:
             _set_policy(0, "SCHED_IDLE")
-        # A shorter switch interval while this thread writes (SWITCH_INTERVAL): training waits less for the GIL.
-        with _short_switch_interval() if background else contextlib.nullcontext():
+            if process is not None:
+                process.set_idle(True)
+        # A shorter switch interval while this thread writes (SWITCH_INTERVAL): training waits less for the
+        # GIL. The files' bytes are written by the writer process where there is one (fileio.offloading).
+        with _short_switch_interval() if background else contextlib.nullcontext(), offloading(process):
             try:
                 w = Writer(self.root, step, rank=self.rank, barrier=self.barrier, staging=self.staging, **self.writer)
                 w.begin()
@@ -143,6 +175,8 @@ class AsyncSaver:
         if self._thread is not None:
             if self.idle and self._thread.is_alive() and self._thread.native_id is not None:
                 _set_policy(self._thread.native_id, "SCHED_OTHER")  # someone waits for it now
+                if self.process is not None:
+                    self.process.set_idle(False)
             self._thread.join()
             self._thread = None
         if self._error is not None:

@@ -15,21 +15,48 @@ class Snapshot:
     the previous save is still being written (CheckpointManager.save waits for it first).
     """
 
-    def __init__(self, pin: bool = False):
+    def __init__(self, pin: bool = False, shared: bool = False):
         self.pin = pin
+        self.shared = shared
+        """Large buffers in the shared-memory arena (checkpoint.arena), whose pages the writer
+        process writes to the checkpoint files without a copy."""
         self.buffers: dict[tuple, Any] = {}
+        self.unpinned = False  # a shared buffer that could not be page-locked for the GPU's copies
 
     def _empty(self, shape, dtype):
-        """A buffer for a tensor; large CPU ones page-aligned (an anonymous mapping), so that the
-        checkpoint writer can hand their pages to the disk directly (O_DIRECT) without a staging copy."""
+        """A buffer for a tensor; large CPU ones page-aligned (an anonymous mapping, or the shared
+        arena), so that the checkpoint writer can hand their pages to the disk directly (O_DIRECT)
+        without a staging copy."""
         import mmap
 
         import torch
 
         nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes >= (1 << 20) and self.shared:
+            from ballast.training.checkpoint.arena import shared_buffer
+
+            buf = shared_buffer(nbytes)
+            if buf is not None:
+                if self.pin:
+                    self._page_lock(buf)
+                return torch.frombuffer(buf, dtype=dtype).view(shape)
         if self.pin or nbytes < (1 << 20):
             return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
         return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+    def _page_lock(self, buf: memoryview) -> None:
+        """Register a shared buffer with CUDA (cudaHostRegister), as pinned memory is, so that the GPU
+        copies into it at DMA speed; where CUDA refuses, it stays pageable (slower copies, same bytes)."""
+        import torch
+
+        from ballast.training.checkpoint.fileio import _address
+
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(_address(buf), buf.nbytes, 0)
+        except (AttributeError, RuntimeError, TypeError):
+            err = -1
+        if int(getattr(err, "value", err)) != 0:
+            self.unpinned = True
 
     def copy(self, obj: Any, path: tuple = ()) -> Any:
         import torch

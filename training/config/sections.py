@@ -268,6 +268,8 @@ class CheckpointSettings(Section):
     """CPU priority of the background writer. `idle` (Linux SCHED_IDLE): it runs on CPU time training
     leaves free, so a save slows training less, and takes longer where the CPUs are saturated.
     `normal`: the same priority as training."""
+    writer_process: bool = True
+    """Write background saves from a process of its own (Linux; never holds training's GIL); false: a thread."""
     resume_average_last: int = Field(0, ge=0, le=100)
     """On resume, start from the mean weights of the last N checkpoints (seed documents: 3); 0 = off."""
     resume: bool = True
