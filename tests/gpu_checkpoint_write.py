@@ -1,7 +1,9 @@
 """Where an asynchronous save's write goes slow on a GPU machine (README, `bench sharded-checkpoint
 --device cuda`): ~1.1 GB written through Ballast's DCP writer from (a) the CUDA state, as a synchronous
 save writes it, (b) a pinned snapshot (Snapshot(pin=True), what an asynchronous save writes on a GPU),
-(c) a pageable page-aligned one (the CPU snapshot); alone (wall and thread CPU seconds, twice each), and
+(c) a pageable page-aligned one (the CPU snapshot), (d) a snapshot in shared memory (page-locked with
+cudaHostRegister on a GPU) written by the checkpoint writer process (what an asynchronous save does
+now, training.checkpoint.writer_process); alone (wall and thread CPU seconds, twice each), and
 in a thread beside a GPU loop (the loop's steps per second), at SCHED_IDLE as the saver runs it and at
 normal priority.
 
@@ -25,7 +27,8 @@ from pathlib import Path
 def main(root: Path) -> dict:
     import torch
     from ballast.training.checkpoint import dcp
-    from ballast.training.checkpoint.fileio import staging_buffer
+    from ballast.training.checkpoint import arena, writer_process
+    from ballast.training.checkpoint.fileio import helper_cpu_seconds, offloading, staging_buffer
     from ballast.training.checkpoint.saver import _set_policy
     from ballast.training.checkpoint.snapshot import Snapshot
 
@@ -52,31 +55,42 @@ def main(root: Path) -> dict:
         except OSError:
             pass
 
-    def write(st: dict, idle: bool = False) -> tuple[float, float]:
+    proc = writer_process.WriterProcess(idle=False) if arena.available() else None
+
+    def write(st: dict, idle: bool = False, by: object = None) -> tuple[float, float]:
+        """(wall, CPU: this thread's and, for the writer process, its own) seconds."""
         d = root / f"w{next(names)}"
         d.mkdir()
         if idle:
             _set_policy(0, "SCHED_IDLE")
-        t0, c0 = time.perf_counter(), time.thread_time()
-        dcp.write(st, d, rank=0, group=None, staging=staging)
-        took = (round(time.perf_counter() - t0, 3), round(time.thread_time() - c0, 3))
+        if by is not None:
+            by.set_idle(idle)
+        t0, c0 = time.perf_counter(), time.thread_time() + helper_cpu_seconds()
+        with offloading(by):
+            dcp.write(st, d, rank=0, group=None, staging=staging)
+        took = (round(time.perf_counter() - t0, 3), round(time.thread_time() + helper_cpu_seconds() - c0, 3))
         shutil.rmtree(d)
         return took
 
-    kinds = {"pinned": True, "pageable": False} if cuda else {"pageable": False}
+    kinds = {"pinned": (True, False), "pageable": (False, False)} if cuda else {"pageable": (False, False)}
+    if proc is not None:
+        kinds["shared_process"] = (cuda, True)
     snaps = {}
-    for kind, pin in kinds.items():
-        snap = Snapshot(pin=pin)
+    for kind, (pin, shared) in kinds.items():
+        snap = Snapshot(pin=pin, shared=shared)
         snap.copy(state)  # the buffers, allocated once as the saver keeps them
         sync()
         t0 = time.perf_counter()
         snaps[kind] = snap.copy(state)
         sync()
         out[f"snapshot_{kind}_seconds"] = round(time.perf_counter() - t0, 3)
+        if shared:
+            out["shared_snapshot_page_locked"] = cuda and not snap.unpinned
+    by = {"shared_process": proc}
     for _ in range(2):
         for kind, st in [("from_device", state), *snaps.items()]:
             settle()
-            out.setdefault(f"write_alone_{kind}_wall_cpu", []).append(write(st))
+            out.setdefault(f"write_alone_{kind}_wall_cpu", []).append(write(st, by=by.get(kind)))
 
     x = torch.randn(*((8192, 8192) if cuda else (512, 512)), device=dev)
 
@@ -95,8 +109,9 @@ def main(root: Path) -> dict:
             took: dict = {}
             stop = threading.Event()
 
-            def background(st: dict = st, idle: bool = idle, took: dict = took, stop: threading.Event = stop) -> None:
-                took["write"] = write(st, idle)
+            def background(st: dict = st, idle: bool = idle, took: dict = took, stop: threading.Event = stop,
+                           kind: str = kind) -> None:
+                took["write"] = write(st, idle, by.get(kind))
                 stop.set()
 
             thread = threading.Thread(target=background)
@@ -105,6 +120,8 @@ def main(root: Path) -> dict:
             thread.join()
             out[f"write_beside_loop_{kind}_{'idle' if idle else 'normal'}"] = {
                 "wall_cpu": took["write"], "loop_steps_per_s": round(rate, 2)}
+    if proc is not None:
+        proc.close()
     return out
 
 

@@ -17,8 +17,7 @@ from ballast.training.checkpoint import arena, fileio, writer_process
 from ballast.training.checkpoint.saver import AsyncSaver
 from ballast.training.checkpoint.snapshot import Snapshot
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not arena.available(), reason="the writer process needs Linux's memfd")]
+pytestmark = pytest.mark.skipif(not arena.available(), reason="the writer process needs Linux's memfd")
 
 
 def _state():
@@ -46,6 +45,7 @@ def _parent_bytes(monkeypatch):
     return seen
 
 
+@pytest.mark.integration
 def test_a_background_save_is_written_by_the_writer_process(tmp_path, monkeypatch):
     """The tensors' bytes (a torch.save file and a DCP shard, as DDP and FSDP saves write them) reach the disk
     from the writer process, hashed there: the checkpoint verifies and loads back equal, the trainer's process
@@ -84,6 +84,7 @@ def test_a_background_save_is_written_by_the_writer_process(tmp_path, monkeypatc
     assert saver.process.proc.wait(timeout=10) == 0  # ends with its saver
 
 
+@pytest.mark.integration
 def test_a_writer_process_that_dies_mid_file_leaves_the_file_to_the_trainer(tmp_path):
     """Killed while a file is planned, the writer process is gone at close: the trainer's thread writes the
     same plan from the same shared buffers; the digest is the file's. The next save starts a new process."""
@@ -116,6 +117,7 @@ def test_a_writer_process_that_dies_mid_file_leaves_the_file_to_the_trainer(tmp_
     saver.close()
 
 
+@pytest.mark.integration
 def test_a_write_error_in_the_writer_process_fails_the_save_with_its_cause(tmp_path):
     """An I/O error of the writer process (a file size limit here: EFBIG, as a full disk gives ENOSPC)
     fails the save with that error and the file it hit; nothing is committed."""
@@ -135,6 +137,7 @@ def test_a_write_error_in_the_writer_process_fails_the_save_with_its_cause(tmp_p
     saver.close()
 
 
+@pytest.mark.integration
 def test_the_writer_process_gets_no_secret_and_dies_with_its_trainer(tmp_path):
     """Its environment holds only what Python needs (no credential of the trainer's), and a trainer killed
     outright takes it along (parent-death signal)."""
@@ -158,6 +161,7 @@ def test_the_writer_process_gets_no_secret_and_dies_with_its_trainer(tmp_path):
         trainer.kill()
 
 
+@pytest.mark.integration
 def test_a_file_of_tensors_outside_the_shared_memory_is_written_by_the_trainer(tmp_path, monkeypatch):
     """Bytes not in the arena travel inline in the plan only up to INLINE_LIMIT: past it the trainer's thread
     writes the file itself (the plan never holds a copy of a large state), still hashed as it goes."""
@@ -175,3 +179,28 @@ def test_a_file_of_tensors_outside_the_shared_memory_is_written_by_the_trainer(t
     back = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(back[k], state[k]) for k in state)
     proc.close()
+
+
+@pytest.mark.unit
+def test_shared_snapshot_buffers_are_page_aligned_ranges_of_the_arena(monkeypatch):
+    """A shared snapshot's large buffers are carved, page-aligned, from memfd regions of REGION bytes (one of
+    its own for a larger buffer), and the arena finds the region and offset of any range inside them; small
+    ones and ranges outside are not its."""
+    import torch
+
+    monkeypatch.setattr(arena, "REGION", 4 << 20)
+    monkeypatch.setattr(arena, "_ARENA", None)
+    snap = Snapshot(shared=True)
+    big = {"a": torch.randn(300_000), "b": torch.randn(600_000), "c": torch.randn(2_000_000), "s": torch.arange(5)}
+    copy = snap.copy(big)
+    a = arena.arena()
+    assert all(torch.equal(copy[k], big[k]) for k in big)
+    for key in ("a", "b", "c"):
+        address = copy[key].data_ptr()
+        region, off = a.find(address, copy[key].nbytes)
+        assert address % arena.PAGE == 0 and off % arena.PAGE == 0
+        assert bytes(region.view[off:off + 16]) == copy[key].numpy().tobytes()[:16]
+        assert a.find(address + 100, 1000) == (region, off + 100)
+    assert a.find(copy["a"].data_ptr(), 1)[0] is a.find(copy["b"].data_ptr(), 1)[0]  # 1.2 + 2.4 MB in one region
+    assert a.find(copy["c"].data_ptr(), 1)[0].size >= copy["c"].nbytes > arena.REGION  # one of its own
+    assert a.find(copy["s"].data_ptr(), 1) is None and a.find(big["a"].data_ptr(), 4) is None

@@ -21,6 +21,11 @@ rank. Every rank (`ballast.bench.sharded_checkpoint_rank`, one spawned process e
   (`CheckpointManager.load`), of the same sharded state in the same run, medians over alternating
   repetitions, each after a sync and (as root) a dropped page cache; target >= 0.9.
 
+Before the ranks start, with the machine to itself: `training_loop_during_save` (ballast.bench.writer_gil),
+the speed a GIL-bound loop of small ops keeps while a background save is written by a thread of its
+process and by the checkpoint writer process (what the rank's saves use, `writer`; a GPU's training loop
+is such a loop). Not a target of the issue: the evidence for the writer process.
+
 `--small`: a tiny model on 2 ranks (the test's shape check, seconds). `--device cuda`: the same model on
 GPUs, one rank per GPU (up to 4) over NCCL, with a GPU's batch (GPU_SHAPE); the checkpoint writer's own
 group stays gloo and the snapshot buffers are pinned host memory (training.checkpoint.snapshot), so RSS
@@ -86,6 +91,10 @@ def bench_sharded_checkpoint(*, small: bool = False, device: str = "cpu", timeou
     cores = os.cpu_count() or 1
     opts.update(threads=max(1, cores // world), cores=cores, backend="nccl" if device == "cuda" else "gloo",
                 writer_priority="idle")
+    from ballast.bench.writer_gil import loop_speed_during_saves
+
+    # First, with the machine to itself: what a background write costs a GIL-bound loop, thread against process.
+    loop = loop_speed_during_saves(**({"state_mib": 16, "repeats": 2} if small else {}))
     with tempfile.TemporaryDirectory(prefix="ballast-bench-sharded-") as tmp:
         out, ckpt = Path(tmp) / "out", Path(tmp) / "ckpt"
         out.mkdir()
@@ -115,7 +124,8 @@ def bench_sharded_checkpoint(*, small: bool = False, device: str = "cpu", timeou
         if failure:
             raise RuntimeError(f"sharded-checkpoint bench: {failure}")
         ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
-        return _report(ranks, opts, world=world, device=device, small=small, seconds=time.monotonic() - started)
+        report = _report(ranks, opts, world=world, device=device, small=small, seconds=time.monotonic() - started)
+        return {**report, "training_loop_during_save": loop}
 
 
 def _wait(procs: list[Any], *, deadline: float) -> str | None:
@@ -179,6 +189,7 @@ def _report(ranks: list[dict[str, Any]], opts: dict[str, Any], *, world: int, de
                   "parameters": ranks[0]["parameters"], "batch": opts["batch"]},
         "state_format": ranks[0].get("state_format"), "state_bytes": state_bytes, "state_bytes_per_rank": state_bytes // world,
         "fixed_buffer_bytes": FIXED_BUFFER, "writer_priority": opts["writer_priority"],
+        "writer": ranks[0].get("writer"),
         "memory": memory,
         "stretch_steps": ranks[0].get("stretch_steps", opts["stretch_steps"]),
         "step_seconds": ranks[0].get("step_seconds"), "repeats": opts["repeats"], "io_repeats": opts["io_repeats"],

@@ -4,7 +4,8 @@ The rank builds the `gpt` model, shards it with Ballast's FSDP2 per block (train
 training.distributed), trains it with the fused AdamW of training.models and checkpoints it through
 Ballast's CheckpointManager, on synthetic token ids (the data path is not what is measured). It measures:
 
-* memory: its resident set (VmRSS) sampled every 2 ms from just before a save until the save is
+* memory: its resident set (VmRSS, with its checkpoint writer process's private memory) sampled every 2 ms
+  from just before a save until the save is
   committed (asynchronous: until its background write is done), less the RSS just before it; for the
   first save (the snapshot buffers are allocated then), the following ones (reused), and plain DCP;
 * time lost: the same stretch of training steps without a save, with one synchronous and with one
@@ -33,11 +34,24 @@ from pathlib import Path
 from typing import Any
 
 
+WRITER: list[int] = []
+"""The pid of this rank's checkpoint writer process, once it runs (training.checkpoint.writer_process)."""
+
+
 def _rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+    """This process's resident set, plus the private memory (RssAnon) of its checkpoint writer process:
+    the shared snapshot it writes from is counted once, here."""
+    return _status_kib("self", "VmRSS:") + sum(_status_kib(str(pid), "RssAnon:") for pid in WRITER)
+
+
+def _status_kib(pid: str, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # the writer process ended
+        pass
     return 0
 
 
@@ -123,9 +137,12 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     root = Path(opts["dir"])
     manager = CheckpointManager(
         CheckpointConfig(directory=str(root / "ballast"), keep_last=2, asynchronous=True,
-                         writer_priority=opts["writer_priority"]),
+                         writer_priority=opts["writer_priority"], writer_process=opts.get("writer_process", True)),
         dist=d, model=model, optimizer=opt, scaler=scaler, state=state, states={}, model_section=section,
         parallelism="fsdp", metrics=metrics, log=lambda m: None)
+    manager.saver.start_process()  # where it runs: before the first save, as the trainer's prepare() starts it
+    if manager.saver.process is not None:
+        WRITER.append(manager.saver.process.pid)
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, vocab, (int(opts["batch"]), seq + 1), generator=gen).to(d.device)
 
@@ -268,6 +285,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     result["events"] = [e for e in metrics.events if e["event"] == "checkpoint"][-3:]
     from ballast.training.checkpoint.commit import read_trainer_state
 
+    result["writer"] = "process" if WRITER else "thread"
     result["state_format"] = read_trainer_state(manager.saver.last_path)["state_format"]  # "dcp": sharded
     barrier()
     d.close()
