@@ -252,6 +252,7 @@ class WriterProcess:
         finally:
             theirs.close()
         self.sock = mine
+        self.started = False  # its greeting (imports done) received
         self.mapped: set[int] = set()
         self.lock = threading.Lock()
         self.gone: str | None = None
@@ -268,10 +269,29 @@ class WriterProcess:
     def resolve(self, rid: int, off: int, n: int) -> memoryview:
         return self.arena.by_id(rid).view[off:off + n]
 
+    def ready(self, timeout: float | None = None) -> bool:
+        """Wait (up to `timeout` seconds) until the writer process has started and greeted; whether it has.
+        A bench waits so that the process's start does not share the CPU with what it times."""
+        with self.lock:
+            if not self.started and self.gone is None:
+                try:
+                    self.sock.settimeout(timeout)
+                    head, _, _ = _recv(self.sock)
+                    self.started = head.get("ready") is True
+                except TimeoutError:
+                    pass
+                except (OSError, EOFError, ValueError) as exc:
+                    self._lost(exc)
+                finally:
+                    if self.gone is None:
+                        self.sock.settimeout(None)
+            return self.started
+
     def write_file(self, path: Path, items: list[list[Any]], inline: bytearray) -> tuple[str, int] | None:
         """Have the writer process write a file's plan: (sha256, size), its CPU time added to this thread's
         helper time (the saver's write_cpu_seconds); None where the process is gone (the caller writes
         it). An I/O error of the write (a full disk) is raised as the OSError it was."""
+        self.ready()
         with self.lock:
             if self.gone is None:
                 try:
@@ -332,6 +352,7 @@ def serve(sock: socket.socket) -> None:
     maps: dict[int, mmap.mmap] = {}
     views: dict[int, memoryview] = {}
     staging = fileio.staging_buffer()
+    _send(sock, {"ready": True})
     while True:
         try:
             head, payload, fds = _recv(sock)

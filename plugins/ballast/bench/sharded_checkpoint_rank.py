@@ -143,6 +143,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     manager.saver.start_process()  # where it runs: before the first save, as the trainer's prepare() starts it
     if manager.saver.process is not None:
         WRITER.append(manager.saver.process.pid)
+        manager.saver.process.ready(timeout=60)  # its start does not share the CPU with the steps timed next
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, vocab, (int(opts["batch"]), seq + 1), generator=gen).to(d.device)
 
