@@ -126,7 +126,7 @@ def _writer_processes() -> list[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"checkpoint.writer_process import main" in cmd and state != "Z":
+        if b"checkpoint.writer_child import main" in cmd and state != "Z":
             found.append(int(pid))
     return found
 

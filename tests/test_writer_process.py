@@ -162,6 +162,56 @@ def test_the_writer_process_gets_no_secret_and_dies_with_its_trainer(tmp_path):
 
 
 @pytest.mark.integration
+def test_a_groups_sigterm_leaves_the_writer_process_writing(tmp_path, monkeypatch):
+    """A SIGTERM to the whole process group (a preemption notice, the end of a stalled group) reaches the
+    writer process too: it must not die of it (the save in flight would fall back to the trainer) nor print
+    anything. One sent at once, before its Python has started, is held blocked and dropped; one sent later
+    is ignored. The saves after both still go through the same process."""
+    import torch
+
+    copy = Snapshot(shared=True).copy(_state())
+    saver = _saver(tmp_path)
+    saver.start_process()
+    pid = saver.process.pid
+    os.kill(pid, signal.SIGTERM)  # straight after the fork: the child still has the trainer's mask
+    os.kill(pid, signal.SIGINT)
+    assert saver.process.ready(timeout=30)
+    os.kill(pid, signal.SIGTERM)
+    parent = _parent_bytes(monkeypatch)
+    saver.save(4, {"model.pt": copy}, {}, keep=set(), asynchronous=True)
+    saver.wait()
+    ckpt.verify(saver.last_path)
+    assert parent["bytes"] == 0 and saver.process.alive() and saver.process.pid == pid
+    back = torch.load(saver.last_path / "model.pt", weights_only=True)
+    assert all(torch.equal(back[k], copy[k]) for k in copy)
+    saver.close()
+    assert saver.process.proc.wait(timeout=10) == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("when", ["before_its_greeting", "mid_message", "after_a_save"])
+def test_a_trainer_that_leaves_at_any_point_ends_the_writer_process_quietly(tmp_path, capfd, when):
+    """The trainer closes its end (exits, or is ending) while the writer process is still starting, halfway
+    through a message, or idle: the process exits 0 without a word. (A writer that had not yet greeted
+    when its trainer left printed a BrokenPipeError traceback into the task log.)"""
+    proc = writer_process.WriterProcess(idle=False)
+    if when == "mid_message":
+        assert proc.ready(timeout=30)
+        proc.sock.sendall(b"M" + writer_process._HEAD.pack(1000, 0) + b'{"op": ')
+    elif when == "after_a_save":
+        import torch
+
+        out = proc.open(tmp_path / "model.pt", fileio.staging_buffer())
+        torch.save(Snapshot(shared=True).copy(_state()), out)
+        out.close()
+        assert ckpt.sha256_file(tmp_path / "model.pt") == out.digest.hexdigest()
+    proc.close()  # before_its_greeting: at once, while its Python is still importing
+    assert proc.proc.wait(timeout=10) == 0
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == "", captured
+
+
+@pytest.mark.integration
 def test_a_file_of_tensors_outside_the_shared_memory_is_written_by_the_trainer(tmp_path, monkeypatch):
     """Bytes not in the arena travel inline in the plan only up to INLINE_LIMIT: past it the trainer's thread
     writes the file itself (the plan never holds a copy of a large state), still hashed as it goes."""

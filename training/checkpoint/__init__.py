@@ -11,6 +11,7 @@ and `ballast.storage` import this package in the orchestrator):
               `model_weights(path)`, a checkpoint's whole model for the orchestrator's stages
     saver     the background writer (`AsyncSaver`), at idle CPU priority where asked
     writer_process  the process a background save's bytes are written by (plans of shared-memory ranges)
+    writer_child    that process's own side: writes the plans it is sent, ends with its trainer
     arena     the shared memory (memfd) the snapshot buffers live in, for the writer process
     average   the mean of the last checkpoints' weights, and the export CLI (`python -m ballast.training.average`)
     snapshot  CPU copies of the state into buffers reused from save to save

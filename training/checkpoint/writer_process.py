@@ -13,12 +13,13 @@ memfd regions mapped by both processes; `Snapshot(shared=True)`). The trainer's 
 runs the serialisation (torch.save's records, DCP's planning: small work), but what it writes to a
 checkpoint file becomes a plan (`PlanWriter`): ranges of the shared buffers, and the few small bytes
 between them (zip headers, small tensors). The plan goes over a Unix socket to the writer process
-(`writer_process.main`, in a Python of its own), which writes it through the same writer a
+(`writer_child.main`, in a Python of its own), which writes it through the same writer a
 thread would (fileio._FileWriter: O_DIRECT, hashed as it goes, fsynced) and answers with the file's
 sha256 and size. The trainer's thread waits for that answer without the lock.
 
 The writer process is started by the thread that saves (the training thread), dies with it (Linux's
-parent-death signal, and the socket's end), runs at the writer's CPU priority (SCHED_IDLE by default,
+parent-death signal, and the socket's end) and of nothing else (a SIGTERM or SIGINT to the whole group
+leaves it writing the save in flight; the trainer ending at any point ends it without a word), runs at the writer's CPU priority (SCHED_IDLE by default,
 raised when training waits for it), and gets no secret: its environment is only what Python needs to
 start. Where it cannot be started or dies, the trainer's thread writes the same plan itself from the
 same buffers: a save never fails for want of it. Linux only (memfd); elsewhere saves are written by a
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import signal
 import socket
@@ -37,7 +37,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -58,7 +57,7 @@ _HEAD = struct.Struct("!II")
 # --- the socket protocol: a tag byte (carrying descriptors), then lengths, JSON head, payload -------------
 
 
-def _send(sock: socket.socket, head: dict[str, Any], payload: bytes | bytearray | memoryview = b"",
+def send_message(sock: socket.socket, head: dict[str, Any], payload: bytes | bytearray | memoryview = b"",
           fds: list[int] | None = None) -> None:
     data = json.dumps(head).encode()
     if fds:
@@ -81,7 +80,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return out
 
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytearray, list[int]]:
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytearray, list[int]]:
     tag, fds, _, _ = socket.recv_fds(sock, 1, 4)
     if not tag:
         raise EOFError("the checkpoint writer's socket closed")
@@ -222,8 +221,10 @@ class PlanWriter:
 
 # --- the trainer's side ----------------------------------------------------------------------------------
 
-_CHILD = "import sys; from ballast.training.checkpoint.writer_process import main; main(sys.argv[1:])"
+_CHILD = "import sys; from ballast.training.checkpoint.writer_child import main; main(sys.argv[1:])"
 _KEEP_ENV = ("PATH", "HOME", "LANG", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH")
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+"""Blocked while the writer process starts, then ignored by it (writer_child.main)."""
 
 
 def _child_env() -> dict[str, str]:
@@ -242,6 +243,10 @@ class WriterProcess:
             raise OSError("no shared memory (memfd) here")
         self.arena, self.idle, self.log = a, idle, log
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Started with the stop signals blocked (the mask survives exec), which `main` then ignores: a
+        # SIGTERM to the whole group (a preemption notice, the end of a stalled group) must leave the
+        # writer to finish the save in flight; it ends with its trainer, not with the group's signal.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid()), "idle" if idle else "normal"],
@@ -250,6 +255,7 @@ class WriterProcess:
             mine.close()
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
             theirs.close()
         self.sock = mine
         self.started = False  # its greeting (imports done) received
@@ -276,7 +282,7 @@ class WriterProcess:
             if not self.started and self.gone is None:
                 try:
                     self.sock.settimeout(timeout)
-                    head, _, _ = _recv(self.sock)
+                    head, _, _ = recv_message(self.sock)
                     self.started = head.get("ready") is True
                 except TimeoutError:
                     pass
@@ -297,10 +303,10 @@ class WriterProcess:
                 try:
                     for rid in sorted({i[1] for i in items if i[0] == "r"} - self.mapped):
                         region = self.arena.by_id(rid)
-                        _send(self.sock, {"op": "map", "id": rid, "size": region.size}, fds=[region.fd])
+                        send_message(self.sock, {"op": "map", "id": rid, "size": region.size}, fds=[region.fd])
                         self.mapped.add(rid)
-                    _send(self.sock, {"op": "write", "path": str(path), "items": items}, inline)
-                    reply, _, _ = _recv(self.sock)
+                    send_message(self.sock, {"op": "write", "path": str(path), "items": items}, inline)
+                    reply, _, _ = recv_message(self.sock)
                 except (OSError, EOFError, ValueError) as exc:
                     self._lost(exc)
                 else:
@@ -342,54 +348,3 @@ def _shutdown(sock: socket.socket, proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-# --- the writer process --------------------------------------------------------------------------------
-
-
-def serve(sock: socket.socket) -> None:
-    """Write the plans that come over `sock` until it closes."""
-    maps: dict[int, mmap.mmap] = {}
-    views: dict[int, memoryview] = {}
-    staging = fileio.staging_buffer()
-    _send(sock, {"ready": True})
-    while True:
-        try:
-            head, payload, fds = _recv(sock)
-        except EOFError:
-            return
-        if head["op"] == "map":
-            rid, size = int(head["id"]), int(head["size"])
-            try:
-                maps[rid] = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
-                views[rid] = memoryview(maps[rid])
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            continue
-        c0 = time.process_time()  # with the hashing threads'
-        try:
-            w = run_plan(Path(head["path"]), head["items"], payload, staging,
-                         lambda rid, off, n: views[rid][off:off + n])
-            reply = {"ok": True, "sha256": w.digest.hexdigest(), "size": w.size}
-        except OSError as exc:
-            reply = {"ok": False, "errno": exc.errno, "error": exc.strerror or str(exc)}
-        except Exception as exc:  # noqa: BLE001 - reported to the trainer, which raises it for this save
-            reply = {"ok": False, "errno": None, "error": f"{type(exc).__name__}: {exc}"}
-        reply["cpu"] = time.process_time() - c0
-        _send(sock, reply)
-
-
-def main(argv: list[str] | None = None) -> None:
-    fd, parent, priority = (argv if argv is not None else sys.argv[1:])[:3]
-    from ballast.training.parentdeath import die_with_parent
-
-    die_with_parent(signal.SIGKILL, int(parent))  # never outlives the trainer
-    if priority == "idle":
-        with contextlib.suppress(AttributeError, OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    serve(socket.socket(fileno=int(fd)))
-
-
-if __name__ == "__main__":
-    main()
