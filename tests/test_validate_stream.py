@@ -193,6 +193,11 @@ def test_batches_are_bounded_in_rows_and_bytes_and_rows_read_back_by_number(tmp_
     assert max(n for _, n in got) <= 16 and sum(n for _, n in got) == 80
     by_bytes = batch_rows_of(pq.ParquetFile(files[0]), ["image", "label"], 1000, 10 * 16)
     assert 1 <= by_bytes < 10, "a batch of about 160 bytes holds fewer than 10 rows of 16+ bytes"
+    # A list of 4096 uint8 (stored as INT32) decodes at 4 bytes a value plus 2 + 2 of levels: 32 KiB a row,
+    # where the footer says a few bytes (a constant image, dictionary-encoded).
+    wide = tmp_path / "wide.parquet"
+    pq.write_table(pa.table({"image": pa.array([np.zeros(4096, np.uint8)] * 64, type=pa.list_(pa.uint8()))}), wide)
+    assert batch_rows_of(pq.ParquetFile(wide), ["image"], 1000, 20 * 4096 * 8) == 20
     rows = np.array([0, 17, 49, 50, 79], dtype=np.int64)
     parts = list(rows_at(files, ds, rows, max_rows=8))  # one (numbers, table) per batch holding any
     assert [ids.tolist() for ids, _ in parts] == [[0], [17], [49], [50], [79]]
@@ -356,7 +361,7 @@ print(json.dumps({"small": small, "big": big, "baseline": baseline, "limit": lim
 '''
 
 
-def _spec(tmp_path: Path, name: str, raw: Path, max_bad_fraction: float = 0.05) -> Path:
+def _spec(tmp_path: Path, name: str, raw: Path, max_bad_fraction: float = 0.05, batch_rows: int = 1024) -> Path:
     def edit(d):
         d["dataset"]["location"] = str(raw)
         d["dataset"]["fields"] = [{"name": "image", "type": "uint8", "shape": [64, 64]},
@@ -367,7 +372,7 @@ def _spec(tmp_path: Path, name: str, raw: Path, max_bad_fraction: float = 0.05) 
             if r["kind"] == "between" and r["column"] == "image":
                 r["max"] = 249
         d["validation"].update(on_failure="quarantine", max_bad_fraction=max_bad_fraction)
-        d["conversion"]["read_batch_rows"] = 1024
+        d["conversion"]["read_batch_rows"] = batch_rows
 
     return write_spec(tmp_path / f"{name}.yaml", edit)
 
@@ -572,7 +577,10 @@ print(json.dumps({"small": small, "big": big, "room": room[0]}))
 def test_quarantined_rows_several_times_the_memory_limit_are_written_a_batch_at_a_time(tmp_path):
     """Half the rows fail (a pixel of 255): their pixels, more than the quarantine may add to the process
     (an address-space limit set as it starts), go to the quarantine file a batch at a time. Before, every
-    failing row was gathered into one table, then into one Parquet buffer: twice what the limit allows."""
+    failing row was gathered into one table, then into one Parquet buffer: twice what the limit allows.
+    Batches of 256 rows: one of 1024 decodes ~21 MiB at once (a 4096-value list's levels are 4 bytes a
+    value), and glibc's heap, fragmented by such buffers and growing its second arena by 64 MiB at a time,
+    took 76-140 MiB of the 160 in repeated runs, and once all of it; with 256 rows, 39-103 MiB."""
     n, repeat, margin = 4096, 32, 160 << 20         # 16 x 4096 bad rows of 4 KiB = 256 MiB of failing pixels
 
     def write(path: Path, copies: int) -> None:
@@ -591,8 +599,8 @@ def test_quarantined_rows_several_times_the_memory_limit_are_written_a_batch_at_
     script.write_text(QUARANTINE_CHILD)
     env = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "ARROW_DEFAULT_MEMORY_POOL": "system",
            "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BALLAST_HOME": str(tmp_path / "home")}
-    proc = subprocess.run([sys.executable, str(script), str(_spec(tmp_path, "small", tmp_path / "small", 0.6)),
-                           str(_spec(tmp_path, "big", tmp_path / "big", 0.6)), str(margin)],
+    proc = subprocess.run([sys.executable, str(script), str(_spec(tmp_path, "small", tmp_path / "small", 0.6, 256)),
+                           str(_spec(tmp_path, "big", tmp_path / "big", 0.6, 256)), str(margin)],
                           check=False, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

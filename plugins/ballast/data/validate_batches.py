@@ -21,6 +21,8 @@ from ballast.spec import DatasetSpec
 
 BATCH_ROWS = 65536
 BATCH_BYTES = 32 << 20
+_WIDTH = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
+"""Bytes a value of each fixed-width Parquet type is decoded into (BYTE_ARRAY: its encoded size)."""
 
 
 def check_files(paths: list[Path], dataset: DatasetSpec) -> list[int]:
@@ -46,17 +48,28 @@ def array_columns(dataset: DatasetSpec) -> dict[str, int]:
 
 
 def batch_rows_of(pf: Any, columns: list[str], max_rows: int, max_bytes: int) -> int:
-    """Rows per batch for this file: max_rows, fewer where its rows are large (by the footer's sizes)."""
+    """Rows per batch for this file: max_rows, fewer where its rows are large (by the footer's sizes).
+
+    A row's size is what its columns take while they are decoded: the larger of their uncompressed
+    (encoded) size and their values at the width of their Parquet type, plus two bytes a value for
+    each kind of level a column has (definition: nullable or nested; repetition: in a list). A list of
+    4096 uint8 values is stored as INT32 and decoded with both levels: 32 KiB, where the footer says
+    ~4 KiB (dictionary-encoded bytes), or a few bytes for a constant image."""
     meta = pf.metadata
     if meta.num_rows == 0:
         return max_rows
     wanted, size = set(columns), 0
+    decoded = []
+    for c in range(meta.num_columns):
+        col = meta.schema.column(c)
+        width = _WIDTH.get(col.physical_type, col.length if col.physical_type == "FIXED_LEN_BYTE_ARRAY" else 0)
+        decoded.append(width + 2 * ((col.max_definition_level > 0) + (col.max_repetition_level > 0)))
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
         for c in range(rg.num_columns):
             col = rg.column(c)
             if col.path_in_schema.split(".", 1)[0] in wanted:
-                size += col.total_uncompressed_size
+                size += max(col.total_uncompressed_size, decoded[c] * col.num_values)
     per_row = max(1, size // meta.num_rows)
     return max(1, min(max_rows, max_bytes // per_row))
 
