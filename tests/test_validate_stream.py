@@ -361,7 +361,7 @@ print(json.dumps({"small": small, "big": big, "baseline": baseline, "limit": lim
 '''
 
 
-def _spec(tmp_path: Path, name: str, raw: Path, max_bad_fraction: float = 0.05, batch_rows: int = 1024) -> Path:
+def _spec(tmp_path: Path, name: str, raw: Path, max_bad_fraction: float = 0.05) -> Path:
     def edit(d):
         d["dataset"]["location"] = str(raw)
         d["dataset"]["fields"] = [{"name": "image", "type": "uint8", "shape": [64, 64]},
@@ -372,7 +372,7 @@ def _spec(tmp_path: Path, name: str, raw: Path, max_bad_fraction: float = 0.05, 
             if r["kind"] == "between" and r["column"] == "image":
                 r["max"] = 249
         d["validation"].update(on_failure="quarantine", max_bad_fraction=max_bad_fraction)
-        d["conversion"]["read_batch_rows"] = batch_rows
+        d["conversion"]["read_batch_rows"] = 1024
 
     return write_spec(tmp_path / f"{name}.yaml", edit)
 
@@ -578,9 +578,9 @@ def test_quarantined_rows_several_times_the_memory_limit_are_written_a_batch_at_
     """Half the rows fail (a pixel of 255): their pixels, more than the quarantine may add to the process
     (an address-space limit set as it starts), go to the quarantine file a batch at a time. Before, every
     failing row was gathered into one table, then into one Parquet buffer: twice what the limit allows.
-    Batches of 256 rows: one of 1024 decodes ~21 MiB at once (a 4096-value list's levels are 4 bytes a
-    value), and glibc's heap, fragmented by such buffers and growing its second arena by 64 MiB at a time,
-    took 76-140 MiB of the 160 in repeated runs, and once all of it; with 256 rows, 39-103 MiB."""
+    The rows are read back in batches of 8 MiB decoded (256 rows here; validation reads 1024): with
+    1024-row batches, glibc's heap, fragmented by their 16 MiB decode buffers and growing its second arena
+    by 64 MiB at a time, took 76-140 MiB of the 160 in repeated runs, and once all of it."""
     n, repeat, margin = 4096, 32, 160 << 20         # 16 x 4096 bad rows of 4 KiB = 256 MiB of failing pixels
 
     def write(path: Path, copies: int) -> None:
@@ -599,8 +599,8 @@ def test_quarantined_rows_several_times_the_memory_limit_are_written_a_batch_at_
     script.write_text(QUARANTINE_CHILD)
     env = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "ARROW_DEFAULT_MEMORY_POOL": "system",
            "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "BALLAST_HOME": str(tmp_path / "home")}
-    proc = subprocess.run([sys.executable, str(script), str(_spec(tmp_path, "small", tmp_path / "small", 0.6, 256)),
-                           str(_spec(tmp_path, "big", tmp_path / "big", 0.6, 256)), str(margin)],
+    proc = subprocess.run([sys.executable, str(script), str(_spec(tmp_path, "small", tmp_path / "small", 0.6)),
+                           str(_spec(tmp_path, "big", tmp_path / "big", 0.6)), str(margin)],
                           check=False, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
