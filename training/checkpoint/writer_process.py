@@ -19,8 +19,8 @@ sha256 and size. The trainer's thread waits for that answer without the lock.
 
 The writer process is started by the thread that saves (the training thread), dies with it (Linux's
 parent-death signal, and the socket's end) and of nothing else (a SIGTERM or SIGINT to the whole group
-leaves it writing the save in flight; the trainer ending at any point ends it without a word), runs at the writer's CPU priority (SCHED_IDLE by default,
-raised when training waits for it), and gets no secret: its environment is only what Python needs to
+leaves it writing the save in flight; the trainer ending at any point ends it without a word), runs at
+the writer's CPU priority (SCHED_IDLE by default, raised when training waits for it), and gets no secret: its environment is only what Python needs to
 start. Where it cannot be started or dies, the trainer's thread writes the same plan itself from the
 same buffers: a save never fails for want of it. Linux only (memfd); elsewhere saves are written by a
 thread. Importing this module does not import torch.
@@ -58,7 +58,7 @@ _HEAD = struct.Struct("!II")
 
 
 def send_message(sock: socket.socket, head: dict[str, Any], payload: bytes | bytearray | memoryview = b"",
-          fds: list[int] | None = None) -> None:
+                 fds: list[int] | None = None) -> None:
     data = json.dumps(head).encode()
     if fds:
         socket.send_fds(sock, [b"M"], fds)

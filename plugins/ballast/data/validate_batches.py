@@ -109,15 +109,10 @@ def frames(paths: list[Path], dataset: DatasetSpec, *, max_rows: int = BATCH_ROW
 
 
 def rows_at(paths: list[Path], dataset: DatasetSpec, rows: Any, *, max_rows: int = BATCH_ROWS,
-            max_bytes: int = BATCH_BYTES // 4) -> Iterator[tuple[Any, Any]]:
+            max_bytes: int = BATCH_BYTES) -> Iterator[tuple[Any, Any]]:
     """The given global rows (sorted int64) of every field, read back a batch at a time: (their numbers,
     an Arrow table of them) per input batch that holds any, each in one schema (the files' schemas
-    unified, as a dataset of several files reads), so that they can go to one Parquet file in turn.
-
-    Batches of a quarter of validation's bytes: the quarantine holds a batch as it is decoded, the rows
-    taken from it and the Parquet writer's buffers for them at once. Under an address-space limit, a
-    quarantine stream of 1024-row batches of 64x64 images (32 MiB decoded) took 76-140 MiB, once more
-    than 160, of glibc's fragmented heap; of these (255 rows), 8-88 MiB in five runs."""
+    unified, as a dataset of several files reads), so that they can go to one Parquet file in turn."""
     import numpy as np
     import pyarrow as pa
 
