@@ -20,10 +20,10 @@ sha256 and size. The trainer's thread waits for that answer without the lock.
 The writer process is started by the thread that saves (the training thread), dies with it (Linux's
 parent-death signal, and the socket's end) and of nothing else (a SIGTERM or SIGINT to the whole group
 leaves it writing the save in flight; the trainer ending at any point ends it without a word), runs at
-the writer's CPU priority (SCHED_IDLE by default, raised when training waits for it), and gets no secret: its environment is only what Python needs to
-start. Where it cannot be started or dies, the trainer's thread writes the same plan itself from the
-same buffers: a save never fails for want of it. Linux only (memfd); elsewhere saves are written by a
-thread. Importing this module does not import torch.
+the writer's CPU priority (SCHED_IDLE by default, raised when training waits for it), and gets no
+secret: its environment is only what Python needs to start. Where it cannot be started or dies, the
+trainer's thread writes the same plan itself from the same buffers: a save never fails for want of it.
+Linux only (memfd); elsewhere saves are written by a thread. Importing this module does not import torch.
 """
 
 from __future__ import annotations
