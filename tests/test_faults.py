@@ -461,6 +461,50 @@ def test_a_monitor_setting_reaches_the_anomaly_policy_from_the_spec():
 
 
 @pytest.mark.unit
+def test_fp16_loss_scaling_skips_non_finite_steps_down_to_its_minimum_scale_then_the_run_diverges():
+    # A real GradScaler (on CPU) and the policy as the trainer drives them: gradients that stay NaN are
+    # skipped while the scale halves, and the step at training.loss_scale.minimum ends the run instead
+    # of skipping every step for ever.
+    import math
+
+    import torch
+    from ballast.launch.config import run_config
+    from ballast.training.anomaly import AnomalyPolicy
+
+    d = example_data()
+    d["training"]["loss_scale"] = {"initial": 1024, "minimum": 4}
+    cfg = run_config(parse_spec(d), data_dir="d", data_format="petastorm", checkpoint_dir="c", output_dir="o")
+    ls = cfg.numerics.loss_scale
+    assert (ls.initial, ls.minimum) == (1024, 4)
+    policy = AnomalyPolicy(cfg.monitors, loss_scaling=True, min_loss_scale=ls.minimum)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=ls.initial, growth_interval=ls.growth_interval)
+    actions = []
+    for step in range(20):
+        loss = (w * torch.tensor([1.0, float("nan"), 1.0])).sum()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        gnorm = float(torch.nn.utils.clip_grad_norm_([w], 1.0))
+        verdict = policy.judge(float(loss.detach()), gnorm, step=step, loss_scale=scaler.get_scale())
+        actions.append(verdict.action)
+        if verdict.action == "diverged":
+            break
+        assert verdict.nonfinite
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    # 1024, 512, ..., 8 skipped (8 steps), the step at 4 diverges: log2(initial / minimum) + 1 steps.
+    assert actions == ["train"] * 8 + ["diverged"]
+    assert len(actions) == int(math.log2(ls.initial / ls.minimum)) + 1
+    assert torch.equal(w.detach(), torch.ones(3))  # every skipped step left the weights alone
+    # A finite step at a scale above the minimum trains; without a scaler a non-finite step diverges.
+    assert policy.judge(1.0, 1.0, step=0, loss_scale=4.0).action == "train"
+    assert AnomalyPolicy(cfg.monitors, loss_scaling=False).judge(math.nan, 1.0, step=0).action == "diverged"
+    assert AnomalyPolicy(cfg.monitors, loss_scaling=True).judge(math.nan, 1.0, step=0, loss_scale=2.0).nonfinite
+
+
+@pytest.mark.unit
 def test_faults_from_the_environment_fire_only_where_the_run_config_allows_a_rehearsal(monkeypatch, capsys):
     from ballast.training.config.run import RehearsalConfig
     from ballast.training.faults import load_faults

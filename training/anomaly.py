@@ -6,8 +6,9 @@ the throttle on anomaly checkpoints and the count of rollbacks to each checkpoin
 
 - non-finite loss or gradients without a loss scaler: `diverged` (the last good state is checkpointed
   with the batch on the skip list, the process exits with the divergence code; the retry skips it).
-  With fp16 loss scaling a non-finite step is the scaler's business: it skips the step and lowers the
-  scale.
+  With fp16 loss scaling a non-finite step is the scaler's business: it skips the step and halves the
+  scale, down to `training.loss_scale.minimum`; a step still non-finite at that scale is `diverged`
+  (the loss scale cannot help what overflows even unscaled, and skipping it would skip every step).
 - a loss spike (z-score over the trailing window): `rollback` to the last checkpoint with the batch
   skipped (spike_action: rollback), or `checkpoint` the last good state (alert), at most once per
   anomaly_checkpoint_min_steps; an alert whose save is throttled is `alert` only.
@@ -33,17 +34,20 @@ class Verdict:
 
 
 class AnomalyPolicy:
-    def __init__(self, monitors: MonitorSettings, *, loss_scaling: bool):
+    def __init__(self, monitors: MonitorSettings, *, loss_scaling: bool, min_loss_scale: float = 1.0):
         self.monitors = monitors
         self.loss_scaling = loss_scaling
+        self.min_loss_scale = min_loss_scale
         self.spikes = SpikeDetector(window=monitors.spike_window, zscore=monitors.spike_zscore)
         self._saved_at: int | None = None       # step of the last anomaly checkpoint
         self._rollbacks: dict[str, int] = {}     # checkpoint name -> rollbacks to it in this process
 
-    def judge(self, loss: float, grad_norm: float, *, step: int) -> Verdict:
+    def judge(self, loss: float, grad_norm: float, *, step: int, loss_scale: float | None = None) -> Verdict:
+        """`loss_scale`: the scale this step's gradients were scaled by (with loss scaling)."""
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if nonfinite:
-            return Verdict("train" if self.loss_scaling else "diverged", nonfinite=True)
+            skip = self.loss_scaling and (loss_scale is None or loss_scale > self.min_loss_scale)
+            return Verdict("train" if skip else "diverged", nonfinite=True)
         z = self.spikes.check(loss)
         if z is None:
             return Verdict("train")

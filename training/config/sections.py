@@ -198,6 +198,18 @@ class LossScaleSettings(Section):
     2^24, since every step whose scaled gradients overflow fp16 is skipped while the scale halves."""
     growth_interval: int = Field(100, ge=1, le=1_000_000)
     """Steps without overflow before the scale grows (seed documents: 100; PyTorch's default is 2000)."""
+    minimum: float = Field(1.0, gt=0, le=2**24)
+    """The scale below which no step is skipped (DeepSpeed's min_loss_scale, 1): a step whose gradients
+    are not finite at this scale or under it ends the run as diverged, as without loss scaling. Each
+    skipped step halves the scale, so a loss or gradients that stay non-finite end the run within
+    log2(initial / minimum) + 1 steps instead of skipping every step for ever."""
+
+    @model_validator(mode="after")
+    def _check_minimum(self) -> LossScaleSettings:
+        if self.minimum > self.initial:
+            raise ValueError(f"minimum: {self.minimum:g} is above initial ({self.initial:g}); the scale starts at"
+                             " initial and only halves down to minimum, so set minimum <= initial")
+        return self
 
 
 class NumericsSettings(Section):
