@@ -17,11 +17,18 @@ how it is used here:
 
 Not Linux: a no-op (the functions return False); the orchestrator's lease (ballast.launch.process) still
 ends a leftover group before the next try starts.
+
+A helper process that must end only with its parent (a loader worker, the checkpoint writer) also
+ignores the group's stop signals: its parent starts it inside `stop_signals_blocked` (a forked or
+exec'd child inherits the mask) and the child calls `ignore_stop_signals` first thing, so a SIGTERM
+sent to the group between the fork and that call waits and is dropped, instead of killing the helper
+with the handlers it inherited.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import select
 import signal
@@ -29,6 +36,27 @@ import stat
 import sys
 
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+"""What a group is sent to stop it (a preemption notice, the end of a stalled group, an interrupt)."""
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """STOP_SIGNALS blocked on this thread meanwhile: start helper processes inside it. This thread's
+    own process still gets the signal through another thread, or here once the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_stop_signals() -> None:
+    """In a helper started inside `stop_signals_blocked`: ignore STOP_SIGNALS, then unblock them (one
+    sent meanwhile is dropped here)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def set_parent_death_signal(sig: int) -> bool:

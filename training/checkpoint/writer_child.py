@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ballast.training.checkpoint import fileio
-from ballast.training.checkpoint.writer_process import STOP_SIGNALS, recv_message, run_plan, send_message
+from ballast.training.checkpoint.writer_process import recv_message, run_plan, send_message
 
 
 def serve(sock: socket.socket) -> None:
@@ -56,11 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     socket) at any point, even before the greeting, ends it without a word; anything else that stops it
     is one line on stderr, never a traceback in the task log."""
     fd, parent, priority = (argv if argv is not None else sys.argv[1:])[:3]
-    from ballast.training.parentdeath import die_with_parent
+    from ballast.training.parentdeath import die_with_parent, ignore_stop_signals
 
-    for sig in STOP_SIGNALS:  # blocked since the fork (WriterProcess): one sent meanwhile is dropped here
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    ignore_stop_signals()  # blocked since the fork (WriterProcess): one sent meanwhile is dropped here
     die_with_parent(signal.SIGKILL, int(parent))  # never outlives the trainer
     if priority == "idle":
         with contextlib.suppress(AttributeError, OSError):

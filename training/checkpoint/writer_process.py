@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -44,6 +43,7 @@ from typing import Any
 
 from ballast.training.checkpoint import fileio
 from ballast.training.checkpoint.arena import arena
+from ballast.training.parentdeath import stop_signals_blocked
 
 INLINE_MAX = 64 << 10
 """Written bytes of fewer than this go to the writer process inline in the plan, whatever memory they
@@ -223,8 +223,6 @@ class PlanWriter:
 
 _CHILD = "import sys; from ballast.training.checkpoint.writer_child import main; main(sys.argv[1:])"
 _KEEP_ENV = ("PATH", "HOME", "LANG", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH")
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-"""Blocked while the writer process starts, then ignored by it (writer_child.main)."""
 
 
 def _child_env() -> dict[str, str]:
@@ -246,16 +244,16 @@ class WriterProcess:
         # Started with the stop signals blocked (the mask survives exec), which `main` then ignores: a
         # SIGTERM to the whole group (a preemption notice, the end of a stalled group) must leave the
         # writer to finish the save in flight; it ends with its trainer, not with the group's signal.
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid()), "idle" if idle else "normal"],
-                pass_fds=[theirs.fileno()], env=_child_env(), stdin=subprocess.DEVNULL, close_fds=True)
+            with stop_signals_blocked():
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid()),
+                     "idle" if idle else "normal"],
+                    pass_fds=[theirs.fileno()], env=_child_env(), stdin=subprocess.DEVNULL, close_fds=True)
         except BaseException:
             mine.close()
             raise
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
             theirs.close()
         self.sock = mine
         self.started = False  # its greeting (imports done) received

@@ -24,6 +24,7 @@ from ballast.training.dataset.order import SpanList, rank_spans, skip_samples
 from ballast.training.dataset.reader import BlockDecoder, import_readers, read_block
 from ballast.training.failure import DataFailure
 from ballast.training.forkgate import GATE
+from ballast.training.parentdeath import die_with_parent, ignore_stop_signals, stop_signals_blocked
 
 
 class Spans(IterableDataset):
@@ -61,9 +62,6 @@ def _cat(parts: list[Any]) -> Any:
     return torch.cat(parts)
 
 
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-
-
 def _start(loader: DataLoader) -> Iterator[Any]:
     """iter(loader), which forks the workers, with SIGTERM and SIGINT blocked on this thread meanwhile:
     a worker inherits the mask, so a group's signal arriving between its fork and its init function
@@ -72,12 +70,9 @@ def _start(loader: DataLoader) -> Iterator[Any]:
     workers, whose init function unblocks them (a spawned worker would keep the mask for good)."""
     if loader.worker_init_fn is None:
         return iter(loader)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        with GATE:  # not while the checkpoint writer's thread is inside torch.save (training.forkgate)
-            return iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    # GATE: not while the checkpoint writer's thread is inside torch.save (training.forkgate)
+    with stop_signals_blocked(), GATE:
+        return iter(loader)
 
 
 def _init_forked_worker(rank_pid: int, worker_id: int) -> None:
@@ -92,11 +87,7 @@ def _init_forked_worker(rank_pid: int, worker_id: int) -> None:
       on the loader's end-of-work message, or with the rank. The worker starts with both blocked
       (`_start`), so one sent before this point waits, and is discarded by SIG_IGN here.
     """
-    from ballast.training.parentdeath import die_with_parent
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    ignore_stop_signals()
     die_with_parent(signal.SIGKILL, rank_pid)
     _drop_inherited_sockets(worker_id)
 
