@@ -452,7 +452,7 @@ def test_a_monitor_setting_reaches_the_anomaly_policy_from_the_spec():
     d["training"]["monitors"] = {"spike_action": "rollback", "max_rollbacks": 1}
     cfg = run_config(parse_spec(d), data_dir="d", data_format="petastorm", checkpoint_dir="c", output_dir="o")
     assert cfg.monitors.max_rollbacks == 1
-    policy = AnomalyPolicy(cfg.monitors, loss_scaling=False)
+    policy = AnomalyPolicy(cfg.monitors)
     assert policy.may_roll_back_to("step-00000010") and not policy.may_roll_back_to("step-00000010")
     assert policy.may_roll_back_to("step-00000020")  # counted per checkpoint
     d["training"]["monitors"]["max_rollbacks"] = -1
@@ -476,17 +476,17 @@ def test_fp16_loss_scaling_skips_non_finite_steps_down_to_its_minimum_scale_then
     cfg = run_config(parse_spec(d), data_dir="d", data_format="petastorm", checkpoint_dir="c", output_dir="o")
     ls = cfg.numerics.loss_scale
     assert (ls.initial, ls.minimum) == (1024, 4)
-    policy = AnomalyPolicy(cfg.monitors, loss_scaling=True, min_loss_scale=ls.minimum)
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([w], lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=ls.initial, growth_interval=ls.growth_interval)
+    policy = AnomalyPolicy(cfg.monitors, scaler=scaler, min_loss_scale=ls.minimum)
     actions = []
     for step in range(20):
         loss = (w * torch.tensor([1.0, float("nan"), 1.0])).sum()
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         gnorm = float(torch.nn.utils.clip_grad_norm_([w], 1.0))
-        verdict = policy.judge(float(loss.detach()), gnorm, step=step, loss_scale=scaler.get_scale())
+        verdict = policy.judge(float(loss.detach()), gnorm, step=step)
         actions.append(verdict.action)
         if verdict.action == "diverged":
             break
@@ -498,10 +498,11 @@ def test_fp16_loss_scaling_skips_non_finite_steps_down_to_its_minimum_scale_then
     assert actions == ["train"] * 8 + ["diverged"]
     assert len(actions) == int(math.log2(ls.initial / ls.minimum)) + 1
     assert torch.equal(w.detach(), torch.ones(3))  # every skipped step left the weights alone
-    # A finite step at a scale above the minimum trains; without a scaler a non-finite step diverges.
-    assert policy.judge(1.0, 1.0, step=0, loss_scale=4.0).action == "train"
-    assert AnomalyPolicy(cfg.monitors, loss_scaling=False).judge(math.nan, 1.0, step=0).action == "diverged"
-    assert AnomalyPolicy(cfg.monitors, loss_scaling=True).judge(math.nan, 1.0, step=0, loss_scale=2.0).nonfinite
+    assert verdict.detail == " at loss scale 4 (training.loss_scale.minimum: 4)"
+    # A finite step at the minimum trains; without a scaler (or with a disabled one) a non-finite step diverges.
+    assert policy.judge(1.0, 1.0, step=0).action == "train"
+    for off in (None, torch.amp.GradScaler("cpu", enabled=False)):
+        assert AnomalyPolicy(cfg.monitors, scaler=off).judge(math.nan, 1.0, step=0).action == "diverged"
 
 
 @pytest.mark.unit
@@ -520,7 +521,7 @@ def test_the_orchestrator_allows_environment_faults_only_in_a_rehearsal_try():
     from ballast.launch.config import run_config
     from ballast.spec import load_spec
     from helpers import EXAMPLE_SPEC
-    from ballast.training.config.sections import FaultSettings
+    from ballast.training.config.rehearsal import FaultSettings
 
     spec = load_spec(EXAMPLE_SPEC)
     paths = dict(data_dir=".", data_format="petastorm", checkpoint_dir=".", output_dir=".")

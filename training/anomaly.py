@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ballast.training.config.sections import MonitorSettings
 from ballast.training.monitor import SpikeDetector
@@ -31,23 +31,30 @@ class Verdict:
     action: Action
     nonfinite: bool = False
     zscore: float | None = None
+    detail: str = ""  # what a divergence message adds (the loss scale it happened at)
 
 
 class AnomalyPolicy:
-    def __init__(self, monitors: MonitorSettings, *, loss_scaling: bool, min_loss_scale: float = 1.0):
+    def __init__(self, monitors: MonitorSettings, *, scaler: Any = None, min_loss_scale: float = 1.0):
+        """`scaler`: the run's loss scaler (torch.amp.GradScaler), when fp16 enables it; judged before
+        its `update()`, so its scale is the one this step's gradients were scaled by."""
         self.monitors = monitors
-        self.loss_scaling = loss_scaling
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.min_loss_scale = min_loss_scale
         self.spikes = SpikeDetector(window=monitors.spike_window, zscore=monitors.spike_zscore)
         self._saved_at: int | None = None       # step of the last anomaly checkpoint
         self._rollbacks: dict[str, int] = {}     # checkpoint name -> rollbacks to it in this process
 
-    def judge(self, loss: float, grad_norm: float, *, step: int, loss_scale: float | None = None) -> Verdict:
-        """`loss_scale`: the scale this step's gradients were scaled by (with loss scaling)."""
+    def judge(self, loss: float, grad_norm: float, *, step: int) -> Verdict:
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if nonfinite and self.scaler is None:
+            return Verdict("diverged", nonfinite=True)
         if nonfinite:
-            skip = self.loss_scaling and (loss_scale is None or loss_scale > self.min_loss_scale)
-            return Verdict("train" if skip else "diverged", nonfinite=True)
+            scale = self.scaler.get_scale()
+            if scale > self.min_loss_scale:
+                return Verdict("train", nonfinite=True)
+            return Verdict("diverged", nonfinite=True,
+                           detail=f" at loss scale {scale:g} (training.loss_scale.minimum: {self.min_loss_scale:g})")
         z = self.spikes.check(loss)
         if z is None:
             return Verdict("train")

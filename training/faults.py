@@ -21,7 +21,7 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from ballast.training.config.sections import FaultKind, FaultSettings
+from ballast.training.config.rehearsal import FaultKind, FaultSettings
 from ballast.training.failure import ConfigFailure
 
 KINDS: tuple[str, ...] = get_args(FaultKind)

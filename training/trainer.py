@@ -102,8 +102,7 @@ class Trainer:
         scale = cfg.numerics.loss_scale
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.autocast_dtype == torch.float16,
                                            init_scale=scale.initial, growth_interval=scale.growth_interval)
-        self.anomalies = AnomalyPolicy(cfg.monitors, loss_scaling=self.scaler.is_enabled(),
-                                       min_loss_scale=scale.minimum)
+        self.anomalies = AnomalyPolicy(cfg.monitors, scaler=self.scaler, min_loss_scale=scale.minimum)
         self.checkpoints = CheckpointManager(
             cfg.checkpoint, dist=self.dist, model=self.raw_model, optimizer=self.opt, scaler=self.scaler,
             state=self.state, states={"lr_schedule": self.sched, "spike_window": self.anomalies},
@@ -218,10 +217,9 @@ class Trainer:
         gnorm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP
         loss_sum, preempted, due, limit = agreed()
         loss = loss_sum / self.dist.world
-        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None  # this step's, before update()
-        verdict = self.anomalies.judge(loss, gnorm, step=st.step, loss_scale=scale)
+        verdict = self.anomalies.judge(loss, gnorm, step=st.step)
         if verdict.action == "diverged":
-            self._diverged(gnorm, scale)
+            self._diverged(gnorm, verdict.detail)
         if st.step % cfg.monitors.stats_every_steps == 0 and self.rank == 0:
             self.metrics.event("grad_stats", st.step, grad_norm=gnorm, **grad_stats(self.raw_model.parameters()))
         if verdict.zscore is not None and self._spike(loss, verdict):
@@ -306,18 +304,16 @@ class Trainer:
                                loss_scale=scale, data_s=round(t1 - t0, 6), compute_s=round(t2 - t1, 6),
                                comm_opt_s=round(t3 - t2, 6))
 
-    def _diverged(self, gnorm: float, scale: float | None) -> None:
-        """Non-finite loss or gradients on some rank (with fp16 loss scaling: at the minimum scale): keep the
-        last good state and skip the batch next time."""
+    def _diverged(self, gnorm: float, detail: str) -> None:
+        """Non-finite loss or gradients on some rank: keep the last good state and skip the batch next time."""
         st = self.state
-        self._anomaly("nonfinite", grad_norm=gnorm, **({} if scale is None else {"loss_scale": scale}))
+        self._anomaly("nonfinite", grad_norm=gnorm)
         self.opt.zero_grad(set_to_none=True)
         st.skip.add((st.epoch, st.pos))
         self.checkpoints.wait()
         self.save("anomaly", asynchronous=False, rng=self._rng_before)
-        at_scale = "" if scale is None else f" at loss scale {scale:g} (training.loss_scale.minimum)"
-        raise DivergenceFailure(f"loss or gradients not finite{at_scale} at step {st.step + 1} (epoch {st.epoch},"
-                                f" batch {st.pos}); last good state checkpointed, the batch will be skipped on resume")
+        raise DivergenceFailure(f"loss or gradients not finite{detail} at step {st.step + 1} (epoch {st.epoch}, batch"
+                                f" {st.pos}); last good state checkpointed, the batch will be skipped on resume")
 
     def _rollback(self) -> bool:
         """Back to the last committed checkpoint, with the current batch on the skip list."""

@@ -14,10 +14,11 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ballast.training.config.messages import describe, one_line
 
+from ballast.training.config.rehearsal import RehearsalSettings
 from ballast.training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
                                       EarlyStopSettings, ExecutionSettings, LoaderSettings, MAX_SECONDS,
                                       ModelName, MonitorSettings, NumericsSettings, OptimSettings,
-                                      RecoverySettings, RehearsalSettings, ResourceSettings, RunSettings,
+                                      RecoverySettings, ResourceSettings, RunSettings,
                                       Section, _bounded_shape, resolve_early_stop)
 from ballast.training.failure import ConfigFailure
 

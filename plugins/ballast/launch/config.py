@@ -12,9 +12,10 @@ from typing import Any
 from ballast.spec import Spec
 from ballast.training.config.run import (BatchConfig, CheckpointConfig, DataConfig, DistributedConfig, ModelConfig,
                                          RehearsalConfig, RunConfig, RunIdentity)
+from ballast.training.config.rehearsal import RehearsalSettings
 from ballast.training.config.sections import (BatchSettings, DistributedSettings, EarlyStopSettings, ExecutionSettings,
                                               LoaderSettings, NumericsSettings, OptimSettings, RecoverySettings,
-                                              RehearsalSettings, ResourceSettings, RunSettings, S, Section)
+                                              ResourceSettings, RunSettings, S, Section)
 
 TOKENS = "tokens"
 """The packed dataset's column of token sequences (causal_lm), CONTRACT 4."""

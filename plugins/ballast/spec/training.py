@@ -14,9 +14,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from ballast.training.config.rehearsal import RehearsalSettings
 from ballast.training.config.sections import (BatchSettings, CheckpointSettings, DataFormat, DistributedSettings,
                                       EarlyStopSettings, LoaderSettings, ModelSettings, MonitorSettings,
-                                      NumericsSettings, OptimSettings, RehearsalSettings,
+                                      NumericsSettings, OptimSettings,
                                       ResourceSettings, RunSettings, Section)
 
 _MAX_LEARNING_RATE = OptimSettings.model_fields["learning_rate"].metadata
