@@ -503,6 +503,9 @@ def test_fp16_loss_scaling_skips_non_finite_steps_down_to_its_minimum_scale_then
     assert policy.judge(1.0, 1.0, step=0).action == "train"
     for off in (None, torch.amp.GradScaler("cpu", enabled=False)):
         assert AnomalyPolicy(cfg.monitors, scaler=off).judge(math.nan, 1.0, step=0).action == "diverged"
+    # A spec from before the minimum existed, with an initial scale under 1, still parses: it starts there.
+    d["training"]["loss_scale"] = {"initial": 0.5}
+    assert parse_spec(d).training.loss_scale.minimum == 0.5
 
 
 @pytest.mark.unit

@@ -1,7 +1,7 @@
 """Training settings, defined once: the run config and the sections the spec shares with it.
 
 `training.config.sections` holds the sections a spec is built from (defaults, bounds, docstrings,
-checks), `training.config.run` the `RunConfig` a training process loads and its own sections,
+checks; `training.config.rehearsal` the rehearsal's faults and budgets), `training.config.run` the `RunConfig` a training process loads and its own sections,
 `training.config.messages` the one-line rendering of validation problems. pydantic only: no torch, no
 Airflow. `RunConfig` is imported on first use, so that the spec (at DAG-parse time) builds only the
 sections it needs.

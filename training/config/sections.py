@@ -198,10 +198,21 @@ class LossScaleSettings(Section):
     growth_interval: int = Field(100, ge=1, le=1_000_000)
     """Steps without overflow before the scale grows (seed documents: 100; PyTorch's default is 2000)."""
     minimum: float = Field(1.0, gt=0, le=2**24)
-    """The scale below which no step is skipped (DeepSpeed's min_loss_scale, 1): a step whose gradients
-    are not finite at this scale or under it ends the run as diverged, as without loss scaling. Each
-    skipped step halves the scale, so a loss or gradients that stay non-finite end the run within
-    log2(initial / minimum) + 1 steps instead of skipping every step for ever."""
+    """The scale at or below which no step is skipped (DeepSpeed's min_loss_scale: 1; `initial` where
+    that is lower): a step whose gradients are not finite at this scale or under it ends the run as
+    diverged, as without loss scaling. Each skipped step halves the scale, so a loss or gradients that
+    stay non-finite end the run within about log2(initial / minimum) + 1 steps, where they were skipped
+    for ever."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_minimum(cls, raw: Any) -> Any:
+        """No `minimum` given and an `initial` under 1 (valid before the minimum existed): start there."""
+        if isinstance(raw, dict) and "minimum" not in raw:
+            initial = raw.get("initial")
+            if isinstance(initial, (int, float)) and not isinstance(initial, bool) and 0 < initial < 1:
+                return {**raw, "minimum": initial}
+        return raw
 
     @model_validator(mode="after")
     def _check_minimum(self) -> LossScaleSettings:
