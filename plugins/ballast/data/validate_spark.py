@@ -6,8 +6,11 @@ per batch are Spark expressions: an array's length, min, max (null when an eleme
 numpy's reduction gives NaN, which GX counts as missing) and finiteness, a float's finiteness, a text's
 length and whether it repeats an earlier row's text (a window over the text, ordered by row), a
 balance column's share of the non-null rows. Great Expectations' Spark data source then evaluates the
-expectations on the whole DataFrame (Spark spills; nothing is collected but the results). Failing rows
-come back as (`_row`, value) pairs, sorted by row, so the examples and indices equal the pandas path's.
+expectations on the whole DataFrame (Spark spills), in GX's SUMMARY format: counts and a few examples,
+never every failing row (GX's COMPLETE format collects them all into the driver). For each failed
+row-level expectation, `failing_rows` then asks Spark for the rows of GX's own condition: the first few
+by `_row` (so the examples equal the pandas path's) and, for the quarantine, every failing row number,
+streamed into an int64 array.
 """
 
 from __future__ import annotations
@@ -92,12 +95,19 @@ def validate_on_spark(paths: list[Path], counts: list[int], dataset: DatasetSpec
         texts = [dataset.text] if dataset.text else []
         for exp in expectations_for(rules, array_columns=array_columns(dataset), text_columns=texts):
             suite.add_expectation(exp)
-        # COMPLETE with the row column: every failing row's (row, value), sorted below into the pandas order.
-        result_format = {"result_format": "COMPLETE", "partial_unexpected_count": PARTIAL,
-                         "unexpected_index_column_names": [ROW]}
-        result = Validator(batch_definition=batch_def, batch_parameters={"dataframe": frame},
-                           result_format=result_format).validate_expectation_suite(suite)
+        # SUMMARY: counts and GX's own few examples (in partition order), nothing per row. The failing rows
+        # of each failed column-map expectation are then queried by its condition (`failing_rows`).
+        validator = Validator(batch_definition=batch_def, batch_parameters={"dataframe": frame},
+                              result_format={"result_format": "SUMMARY", "partial_unexpected_count": PARTIAL})
+        result = validator.validate_expectation_suite(suite)
         doubles = {f.name for f in frame.schema.fields if f.dataType.typeName() == "double"}
+        rows_of = {}  # expectation id -> every failing row's number (with row_indices)
+        for res in result.results:
+            for key in ("partial_unexpected_index_list", "partial_unexpected_counts", "unexpected_list"):
+                (res.result or {}).pop(key, None)  # the pandas path's results do not have them
+            if not res.success and (res.result or {}).get("unexpected_count"):
+                rows_of[res.expectation_config.id] = failing_rows(
+                    validator._wrapped_validator, res, keep_indices=row_indices, doubles=doubles)
     except DataError:
         raise
     except Exception as exc:
@@ -108,28 +118,49 @@ def validate_on_spark(paths: list[Path], counts: list[int], dataset: DatasetSpec
         spark.stop()
     order = {e.id: i for i, e in enumerate(suite.expectations)}  # GX on Spark returns them in its own order
     result.results.sort(key=lambda res: order.get(res.expectation_config.id, len(order)))
-    for res in result.results:
-        in_row_order(res, keep_indices=row_indices, doubles=doubles)
     result.meta.pop("batch_spec", None)  # it holds the DataFrame's plan, not JSON
-    return report_of(result, rows=sum(counts), docs_dir=publish(context, suite, result, result.batch_id))
+    report = report_of(result, rows=sum(counts), docs_dir=publish(context, suite, result, result.batch_id))
+    # Every failing row's number, where the result (and its Data Docs) keeps the first INDICES.
+    for failure, res in zip(report.failures, [r for r in result.results if not r.success], strict=True):
+        if rows_of.get(res.expectation_config.id) is not None:
+            failure.rows = rows_of[res.expectation_config.id]
+    return report
 
 
-def in_row_order(res: Any, *, keep_indices: bool, doubles: set[str]) -> None:
-    """Rewrite a Spark result's failing rows ({_row, value} in partition order) as the pandas path has
-    them: indices in row order (only with keep_indices), the first few values by row (a null double is
-    NaN there, as pandas holds it)."""
-    from ballast.data_checks.combine import PARTIAL
+def failing_rows(validator: Any, res: Any, *, keep_indices: bool, doubles: set[str]) -> Any:
+    """Rewrite a failed column-map expectation's result as the pandas path has it, without collecting
+    its failing rows: the first PARTIAL values by row (a null double is NaN there, as pandas holds it)
+    and, with keep_indices, the first INDICES row numbers; returns every failing row's number, streamed
+    into one sorted int64 array (8 bytes a row, as the pandas path keeps them), or None. The rows are
+    those of GX's own condition for the expectation (its `<metric>.condition` metric on the Spark engine:
+    null handling and, for uniqueness, the window included), applied to the records of its domain.
+    GX's SUMMARY examples are in partition order, not by row."""
+    import numpy as np
+    from great_expectations.expectations.registry import get_metric_kwargs
+    from great_expectations.validator.metric_configuration import MetricConfiguration
+    from pyspark.sql import functions as F
 
-    info = res.result or {}
-    pairs = info.pop("unexpected_index_list", None)
-    for key in ("partial_unexpected_index_list", "unexpected_index_query", "unexpected_index_column_names",
-                "unexpected_list", "partial_unexpected_counts"):
-        info.pop(key, None)
-    if pairs is None:
-        return
-    column = res.expectation_config.kwargs.get("column")
-    pairs = sorted(pairs, key=lambda d: d[ROW])
+    from ballast.data_checks.combine import INDICES, PARTIAL
+
+    cfg = res.expectation_config
+    metric = getattr(type(cfg.to_domain_obj()), "map_metric", None)
+    info, column = res.result, cfg.kwargs.get("column")
+    if not metric or column is None:
+        return None  # an aggregate or table expectation: no rows to name
+    name = f"{metric}.condition"
+    kwargs = get_metric_kwargs(name, configuration=cfg)
+    condition, compute, accessor = validator.get_metric(
+        MetricConfiguration(name, kwargs["metric_domain_kwargs"], kwargs["metric_value_kwargs"]))
+    records = validator.execution_engine.get_domain_records(domain_kwargs={**compute, **accessor})
+    bad = records.withColumn("__unexpected", condition).where(F.col("__unexpected")).select(ROW, column)
     nan = float("nan") if column in doubles else None
-    info["partial_unexpected_list"] = [nan if d.get(column) is None else d[column] for d in pairs[:PARTIAL]]
-    if keep_indices:
-        info["unexpected_index_list"] = [int(d[ROW]) for d in pairs]
+    first = bad.orderBy(ROW).limit(PARTIAL).collect()
+    info["partial_unexpected_list"] = [nan if r[column] is None else r[column] for r in first]
+    if not keep_indices:
+        return None
+    rows = np.sort(np.fromiter((r[0] for r in bad.select(ROW).toLocalIterator()), np.int64))
+    if len(rows) != info.get("unexpected_count"):  # the quarantine must hold exactly the rows GX counted
+        raise DataError(f"conversion.engine spark: {cfg.type} on {column}: GX counted {info.get('unexpected_count')}"
+                        f" failing rows, its condition selects {len(rows)}; is great-expectations the pinned 1.24.1?")
+    info["unexpected_index_list"] = rows[:INDICES].tolist()
+    return rows
