@@ -104,7 +104,7 @@ def validate_on_spark(paths: list[Path], counts: list[int], dataset: DatasetSpec
         rows_of = {}  # expectation id -> every failing row's number (with row_indices)
         for res in result.results:
             for key in ("partial_unexpected_index_list", "partial_unexpected_counts", "unexpected_list"):
-                (res.result or {}).pop(key, None)  # the pandas path's results do not have them
+                (res.result or {}).pop(key, None)  # in partition order, and per row: not kept
             if not res.success and (res.result or {}).get("unexpected_count"):
                 rows_of[res.expectation_config.id] = failing_rows(
                     validator._wrapped_validator, res, keep_indices=row_indices, doubles=doubles)
