@@ -118,6 +118,93 @@ def test_a_model_naming_no_block_is_wrapped_whole_with_a_warning(group):
                     " parameter gathered at once in forward and backward)"]
 
 
+@pytest.mark.parametrize("name,options,data", [
+    ("gpt", {"layers": 2, "width": 16, "heads": 2}, LM),
+    ("unet", {"depth": 2, "base_width": 4}, SEG),
+    ("mlp", {"hidden_size": 8}, ROWS),
+    ("cnn", {"hidden_size": 8}, IMAGES),
+    ("embed", {"hidden_size": 8}, IMAGES),
+], ids=["gpt", "unet", "mlp", "cnn", "embed"])
+def test_built_in_models_initialize_every_parameter_and_buffer_in_place(name, options, data):
+    """What the meta-device build relies on: after to_empty (memory holding anything, NaN here), the
+    model's ballast_init_weights() leaves no value unset, computes its buffers as its constructor does,
+    and draws each weight from its constructor's distribution."""
+    import math
+
+    import torch
+
+    torch.manual_seed(0)
+    built = _model(name, options, data)
+    with torch.device("meta"):
+        model = _model(name, options, data)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(math.nan if t.is_floating_point() else -1)
+        model.ballast_init_weights()
+    params, buffers = dict(built.named_parameters(remove_duplicate=False)), dict(built.named_buffers())
+    for key, value in model.named_parameters():
+        assert torch.isfinite(value).all(), f"{name}: {key} left uninitialized"
+        ref = params[key]
+        if ref.numel() > 64:  # a weight drawn at random: the constructor's spread, within sampling error
+            assert abs(value.std().item() / ref.std().item() - 1) < 0.35, f"{name}: {key}"
+        elif ref.std().item() == 0:  # constants (norms' ones, zero biases)
+            assert torch.equal(value, ref), f"{name}: {key}"
+    for key, value in model.named_buffers():
+        assert torch.equal(value, buffers[key]), f"{name}: buffer {key} not what the constructor makes"
+
+
+def test_under_fsdp_the_model_is_built_on_the_meta_device_and_each_rank_allocates_its_shards(group):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from ballast.training.config.run import ModelConfig
+
+    section = ModelConfig(name="gpt", options={"layers": 2, "width": 16, "heads": 2}, data=LM)
+    logs: list[str] = []
+    state = torch.random.get_rng_state()
+    model = fsdp.build_sharded(section, device=torch.device("cpu"), seed=3, rank=0, precision="fp32",
+                               activation_checkpointing=False, log=logs.append)
+    assert not logs and torch.equal(torch.random.get_rng_state(), state)  # the process's random stream untouched
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in model.parameters())
+    assert model.head.weight is model.embed.weight  # still tied
+    assert torch.allclose(model.cos, _model("gpt", {"layers": 2, "width": 16, "heads": 2}, LM).cos)
+    again = fsdp.build_sharded(section, device=torch.device("cpu"), seed=3, rank=0, precision="fp32",
+                               activation_checkpointing=False, log=logs.append)
+    assert torch.equal(again.embed.weight.to_local(), model.embed.weight.to_local())  # the seed decides
+    out = model(torch.randint(0, 40, (2, 8)))
+    assert out.shape == (2, 8, 40) and torch.isfinite(out).all()
+
+
+def test_a_model_that_cannot_initialize_itself_is_built_whole_with_a_line_in_the_log(group, monkeypatch):
+    import torch
+
+    from ballast.training.config.run import ModelConfig
+    from ballast.training.models import registry
+
+    def plain(options, data):
+        return torch.nn.Sequential(torch.nn.Linear(6, 3))
+
+    def reads_weights(options, data):
+        raise AssertionError("never called on the meta device")
+
+    reads_weights.meta_build = False
+    factories = {"plain": plain, "reads_weights": reads_weights}
+    monkeypatch.setattr(registry, "load_factory", factories.__getitem__)
+    logs: list[str] = []
+    for name in factories:
+        section = ModelConfig(name=name, options={}, data=ROWS)
+        assert fsdp.build_sharded(section, device=torch.device("cpu"), seed=0, rank=0, precision="fp32",
+                                  activation_checkpointing=False, log=logs.append) is None
+    assert logs == [("warning: model Sequential has no ballast_init_weights() method: each rank builds it whole"
+                     " before sharding (the whole model in every process while it is built)"),
+                    ("model reads_weights is built whole on each rank, then sharded (its factory reads weights as"
+                     " it builds: no meta-device build)")]
+    from ballast.training.models import hf
+
+    assert hf.hf_causal_lm.meta_build is False
+
+
 def test_a_snapshot_of_a_shard_is_a_host_dtensor_over_the_snapshot_buffer(group):
     """The snapshot's DTensor wraps the host buffer itself under the shard's spec: DTensor.from_local
     would move it to the mesh's device (a second device copy of each shard per save on GPUs)."""

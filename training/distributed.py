@@ -81,6 +81,23 @@ class Distributed:
 
             dist.destroy_process_group()
 
+    def build_model(self, section: Any, *, precision: str, seed: int,
+                    log: Callable[[str], Any] = print) -> tuple[Any, Any]:
+        """The model of a run config's model section on this process's device, and that model
+        parallelized (`parallelize`): under FSDP both are the one sharded model, built on the meta device
+        where the model allows it (training.fsdp.build_sharded), so that no rank holds it whole."""
+        from ballast.training import fsdp
+        from ballast.training.models import build_configured_model
+
+        d = self.cfg
+        if self.enabled and d.parallelism == "fsdp":
+            model = fsdp.build_sharded(section, device=self.device, seed=seed, rank=self.rank, precision=precision,
+                                       activation_checkpointing=d.activation_checkpointing, log=log)
+            if model is not None:
+                return model, model
+        raw = build_configured_model(section).to(self.device)
+        return raw, self.parallelize(raw, precision=precision, log=log)
+
     def parallelize(self, model: Any, *, precision: str = "fp32", log: Callable[[str], Any] = print) -> Any:
         """DDP (optionally with gradient compression) or FSDP2 per block (training.fsdp) over the process
         group; as is alone. Activation checkpointing, where asked, applies per block in every case."""

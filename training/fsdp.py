@@ -7,11 +7,18 @@ forward (and backward) and freed after, so no rank holds every parameter at once
 (ZeRO-3). A model without `ballast_blocks()` is wrapped whole, with a warning: every parameter is then
 gathered at once. The optimizer, built on the sharded (DTensor) parameters, keeps its state sharded
 with them. Importing this module does not import torch.
+
+A model that initializes itself in place (a `ballast_init_weights()` method: the built-ins do) is built
+on the meta device and sharded there; each rank then allocates only its own shards on its device and the
+model initializes them (`build_sharded`): no rank holds the whole model, not even while it is built. A
+model without the method, or whose factory reads weights as it builds and says so (`meta_build =
+False`: hf_causal_lm), is built whole on each rank first, as before, with a line in the log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -97,6 +104,43 @@ def prepare_blocks(model: Any, *, sharded: bool, activation_checkpointing: bool,
     if blocks and activation_checkpointing:
         checkpoint_activations(blocks)
     return blocks
+
+
+def build_sharded(section: Any, *, device: Any, seed: int, rank: int, precision: str, activation_checkpointing: bool,
+                  log: Callable[[str], Any]) -> Any | None:
+    """The model of a run config's model section, sharded (`shard`) while still on the meta device, then
+    this rank's shards allocated on `device` and initialized by the model's `ballast_init_weights()`;
+    None where the model cannot be built that way (the caller builds it whole, then shards it).
+
+    Random initialization of sharded parameters: on CUDA, DTensor's RNG tracker draws each shard from
+    rank 0's seed at the shard's offset (the same full tensor whatever the world size); elsewhere DTensor
+    draws each shard from the rank's own generator, so the ranks are seeded apart (`seed`, `rank`) for
+    their shards to be independent draws. The process's random state is left as it was."""
+    import torch
+
+    from ballast.training.models import build_configured_model, registry
+
+    if getattr(registry.load_factory(section.name), "meta_build", True) is False:
+        log(f"model {section.name} is built whole on each rank, then sharded (its factory reads weights as it"
+            " builds: no meta-device build)")
+        return None
+    with torch.device("meta"):
+        model = build_configured_model(section)
+    init = getattr(model, "ballast_init_weights", None)
+    if not callable(init):
+        log(f"warning: model {type(model).__name__} has no ballast_init_weights() method: each rank builds it"
+            " whole before sharding (the whole model in every process while it is built)")
+        return None
+    shard(model, precision=precision, activation_checkpointing=activation_checkpointing, log=log)
+    model.to_empty(device=device)
+    gpus = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus), torch.no_grad(), warnings.catch_warnings():
+        # DTensor's warning that its random ops on a CPU mesh use each rank's own generator: what the
+        # per-rank seed is for.
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        torch.manual_seed((seed * 1_000_003 + rank) % (1 << 63))
+        init()
+    return model
 
 
 def shard(model: Any, *, precision: str, activation_checkpointing: bool, log: Callable[[str], Any]) -> Any:

@@ -35,7 +35,7 @@ from ballast.training.distributed import Distributed
 from ballast.training.failure import ConfigFailure, DivergenceFailure, Preempted, TrainingFailure
 from ballast.training.faults import Injector, load_faults
 from ballast.training.preflight import run_checks, state_bytes
-from ballast.training.models import build_configured_model, build_optimizer
+from ballast.training.models import build_optimizer
 from ballast.training.monitor import Metrics, grad_stats
 from ballast.training.outputs import Summary, write_summary
 from ballast.training.state import TrainState
@@ -85,8 +85,8 @@ class Trainer:
             raise ConfigFailure(f"early_stop.metric: {cfg.early_stop.metric!r} is not computed on this dataset ("
                                 f"{cfg.model.task}: {', '.join(self.task.metrics)}; bits_per_byte needs a tokenizer)")
 
-        self.raw_model = build_configured_model(cfg.model).to(self.dist.device)
-        self.model = self.dist.parallelize(self.raw_model, precision=cfg.numerics.precision, log=self.log)
+        self.raw_model, self.model = self.dist.build_model(cfg.model, precision=cfg.numerics.precision, seed=cfg.seed,
+                                                          log=self.log)
         self.lr = cfg.optim.learning_rate
         self.opt = build_optimizer(cfg.optim.optimizer, self.model.parameters(), lr=self.lr,
                                    weight_decay=cfg.optim.weight_decay)

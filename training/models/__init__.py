@@ -23,6 +23,15 @@ def build_configured_model(section: Any) -> Any:
     return registry.build(section.name, dict(section.options), dict(section.data))
 
 
+def reset_layers(model: Any) -> None:
+    """Every layer of `model` back to PyTorch's own initialization (`reset_parameters()`: linear and
+    convolution layers, embeddings, norms with their running statistics), in place: what a built-in
+    model's `ballast_init_weights()` does where it keeps PyTorch's defaults."""
+    for m in model.modules():
+        if m is not model and callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+
+
 def fp32_embedding(num: int, dim: int) -> Any:
     """An nn.Embedding that always runs, and returns, in fp32, even inside a bf16/fp16 autocast region:
     low-precision embedding rows lose small updates (the seed documents' "embeddings in fp32")."""

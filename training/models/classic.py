@@ -54,6 +54,8 @@ def mlp(options: dict[str, Any], data: dict[str, Any]) -> Any:
     import torch
     import torch.nn as nn
 
+    from ballast.training.models import reset_layers
+
     hidden, dropout = _options(options)
     out, shape = _head(data, "mlp")
     inputs = data.get("inputs") or {"x": {"shape": data["input_shape"]}}
@@ -71,6 +73,10 @@ def mlp(options: dict[str, Any], data: dict[str, Any]) -> Any:
             """The linear layers (training.fsdp's units)."""
             return _layers(self.net)
 
+        def ballast_init_weights(self):
+            """PyTorch's initialization of every layer, in place (training.fsdp: the meta-device build)."""
+            reset_layers(self)
+
         def forward(self, x):
             if isinstance(x, dict):
                 x = torch.cat([x[n].reshape(len(x[n]), -1).float() for n in names], 1)
@@ -85,6 +91,8 @@ mlp.options_schema = OPTIONS_SCHEMA
 
 def cnn(options: dict[str, Any], data: dict[str, Any]) -> Any:
     import torch.nn as nn
+
+    from ballast.training.models import reset_layers
 
     hidden, dropout = _options(options)
     out, shape = _head(data, "cnn")
@@ -107,6 +115,10 @@ def cnn(options: dict[str, Any], data: dict[str, Any]) -> Any:
             """The convolutions and linear layers (training.fsdp's units)."""
             return _layers(self)
 
+        def ballast_init_weights(self):
+            """PyTorch's initialization of every layer, in place (training.fsdp: the meta-device build)."""
+            reset_layers(self)
+
     return CNN(
         ToNCHW(), nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Dropout(dropout), nn.Linear(64 * 4, hidden), nn.ReLU(),
@@ -122,7 +134,7 @@ def embed(options: dict[str, Any], data: dict[str, Any]) -> Any:
     import torch
     import torch.nn as nn
 
-    from ballast.training.models import fp32_embedding
+    from ballast.training.models import fp32_embedding, reset_layers
 
     hidden, dropout = _options(options)
     out, shape = _head(data, "embed")
@@ -139,6 +151,12 @@ def embed(options: dict[str, Any], data: dict[str, Any]) -> Any:
         def ballast_blocks(self):
             """The two embeddings and the head (training.fsdp's units)."""
             return [self.values, self.positions, self.head]
+
+        def ballast_init_weights(self):
+            """PyTorch's initialization of every layer and the position index, in place (training.fsdp:
+            the meta-device build)."""
+            reset_layers(self)
+            self.index.copy_(torch.arange(positions))
 
         def forward(self, x):
             tokens = x.reshape(x.shape[0], -1).round().clamp(0, 255).long()

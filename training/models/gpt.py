@@ -48,8 +48,10 @@ def gpt(options: dict[str, Any], data: dict[str, Any]) -> Any:
     head_dim = width // heads
     hidden = max(1, int(round(width * float(o["mlp_ratio"]))))
 
-    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)  # (T, head_dim / 2)
+    # On the CPU whatever device the model is built on (the meta device under FSDP: training.fsdp), so that
+    # ballast_init_weights can fill the buffers from them.
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device="cpu"), inv)  # (T, head_dim / 2)
 
     def rotate(x, cos, sin):  # x (N, H, T, D): rotate each (even, odd) pair by its position's angle
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -91,12 +93,25 @@ def gpt(options: dict[str, Any], data: dict[str, Any]) -> Any:
             self.norm = nn.LayerNorm(width)
             self.head = nn.Linear(width, vocab, bias=False)
             self.head.weight = self.embed.weight  # tied
-            self.register_buffer("cos", angles.cos().float(), persistent=False)
-            self.register_buffer("sin", angles.sin().float(), persistent=False)
+            self.register_buffer("cos", torch.empty(angles.shape), persistent=False)
+            self.register_buffer("sin", torch.empty(angles.shape), persistent=False)
+            self.ballast_init_weights()
+
+        def ballast_init_weights(self):
+            """Every parameter and buffer initialized in place (also on sharded parameters, where
+            training.fsdp builds the model on the meta device): norms to identity, linear layers and the
+            embedding from N(0, 0.02), the residual projections scaled for depth (GPT-2), the rotary
+            tables computed."""
+            for m in self.modules():
+                if isinstance(m, nn.LayerNorm):
+                    m.reset_parameters()
             self.apply(self._init)
             for block in self.blocks:  # residual projections scaled for depth (GPT-2)
                 nn.init.normal_(block.attn.proj.weight, std=0.02 / (2 * layers) ** 0.5)
                 nn.init.normal_(block.mlp[2].weight, std=0.02 / (2 * layers) ** 0.5)
+            with torch.no_grad():
+                self.cos.copy_(angles.cos())
+                self.sin.copy_(angles.sin())
 
         def ballast_blocks(self):
             """The Transformer blocks: each an FSDP unit and an activation-checkpointing unit

@@ -84,3 +84,4 @@ def _from_transformers_names(module: Any, state_dict: dict[str, Any], prefix: st
 
 
 hf_causal_lm.options_schema = OPTIONS_SCHEMA
+hf_causal_lm.meta_build = False  # from_pretrained reads weights as it builds: built whole (training.fsdp.build_sharded)

@@ -4,7 +4,11 @@ A package registers `name = "package.module:factory"` under `[project.entry-poin
 the spec's `training.model.name` names the entry point, never an import path. `factory(options, data)`
 returns a `torch.nn.Module` (`options`: the spec's `training.model.options`; `data`: what the task feeds
 it, see `ballast.training.config.run.ModelConfig.data`). An optional `factory.options_schema` (a JSON
-Schema dict) checks the options before any data is read.
+Schema dict) checks the options before any data is read. Under FSDP (`ballast.training.fsdp`), the
+model's optional `ballast_blocks()` names its sharding units, and its optional `ballast_init_weights()`
+(initialize every parameter and buffer in place, also on sharded parameters) lets it be built on the
+meta device, each rank allocating only its own shards; `factory.meta_build = False` says the factory
+must not be called on the meta device (it reads weights as it builds).
 
 `names()` reads entry-point metadata only (no model module is imported: the DAG-parse budget holds).
 Loading a factory or calling it may fail in a package's own code: that is a ConfigFailure (class

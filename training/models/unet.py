@@ -27,6 +27,8 @@ def unet(options: dict[str, Any], data: dict[str, Any]) -> Any:
     import torch.nn as nn
     import torch.nn.functional as F
 
+    from ballast.training.models import reset_layers
+
     depth, base = int(options.get("depth", 3)), int(options.get("base_width", 16))
     if data.get("task") != "segmentation":
         raise ValueError(f"model 'unet' segments (task segmentation), not task {data.get('task')}")
@@ -62,6 +64,11 @@ def unet(options: dict[str, Any], data: dict[str, Any]) -> Any:
         def ballast_blocks(self):
             """The double convolutions of each level, down and up (training.fsdp's units)."""
             return [*self.down, *self.merge]
+
+        def ballast_init_weights(self):
+            """PyTorch's initialization of every layer, batch norms' statistics included, in place
+            (training.fsdp: the meta-device build)."""
+            reset_layers(self)
 
         def forward(self, x):
             n = x.shape[0]

@@ -117,7 +117,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
     from ballast.training.checkpoint.manager import CheckpointManager
     from ballast.training.config.run import CheckpointConfig, DistributedConfig, ModelConfig
     from ballast.training.distributed import Distributed
-    from ballast.training.models import build_configured_model, build_optimizer
+    from ballast.training.models import build_optimizer
     from ballast.training.state import TrainState
 
     torch.set_num_threads(int(opts["threads"]))
@@ -130,7 +130,7 @@ def _bench(rank: int, opts: dict[str, Any]) -> dict[str, Any]:
                                                "heads": opts["heads"], "vocab_size": vocab},
                           data={"task": "causal_lm", "input_shape": [seq], "input_dtype": "int64", "seq_len": seq,
                                 "vocab_size": vocab, "inputs": {"tokens": {"shape": [seq], "dtype": "int64"}}})
-    model = d.parallelize(build_configured_model(section).to(d.device), log=lambda m: None)
+    _, model = d.build_model(section, precision="fp32", seed=0, log=lambda m: None)  # as the trainer builds it
     opt = build_optimizer("adamw", model.parameters(), lr=1e-4, weight_decay=0.0)
     scaler = torch.amp.GradScaler(d.device.type, enabled=False)
     state, metrics = TrainState(), _Metrics()
