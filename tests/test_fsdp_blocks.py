@@ -185,21 +185,40 @@ def test_a_model_that_cannot_initialize_itself_is_built_whole_with_a_line_in_the
     def plain(options, data):
         return torch.nn.Sequential(torch.nn.Linear(6, 3))
 
+    def reads_values(options, data):  # fine on the CPU, impossible on the meta device
+        layer = torch.nn.Linear(6, 3)
+        layer.scale = float(layer.weight.abs().max().item())
+        return layer
+
+    class Orthogonal(torch.nn.Sequential):
+        def ballast_blocks(self):
+            return [self[0]]
+
+        def ballast_init_weights(self):
+            torch.nn.init.orthogonal_(self[0].weight)  # a QR decomposition: not of a sharded parameter
+
+    def orthogonal(options, data):
+        return Orthogonal(torch.nn.Linear(6, 3))
+
     def reads_weights(options, data):
         raise AssertionError("never called on the meta device")
 
     reads_weights.meta_build = False
-    factories = {"plain": plain, "reads_weights": reads_weights}
+    factories = {"plain": plain, "reads_values": reads_values, "orthogonal": orthogonal,
+                 "reads_weights": reads_weights}
     monkeypatch.setattr(registry, "load_factory", factories.__getitem__)
     logs: list[str] = []
     for name in factories:
         section = ModelConfig(name=name, options={}, data=ROWS)
         assert fsdp.build_sharded(section, device=torch.device("cpu"), seed=0, rank=0, precision="fp32",
-                                  activation_checkpointing=False, log=logs.append) is None
-    assert logs == [("warning: model Sequential has no ballast_init_weights() method: each rank builds it whole"
-                     " before sharding (the whole model in every process while it is built)"),
-                    ("model reads_weights is built whole on each rank, then sharded (its factory reads weights as"
-                     " it builds: no meta-device build)")]
+                                  activation_checkpointing=False, log=logs.append) is None, name
+    whole = ": each rank builds it whole before sharding (the whole model in every process while it is built)"
+    assert logs[0] == "warning: model plain has no ballast_init_weights() method" + whole
+    assert logs[1].startswith("warning: model reads_values cannot be built on the meta device (") and \
+        "item() cannot be called on meta tensors" in logs[1] and logs[1].endswith(whole)
+    assert logs[2].startswith("warning: model orthogonal ballast_init_weights() fails on sharded parameters (")
+    assert logs[3] == ("model reads_weights is built whole on each rank, then sharded (its factory reads weights as"
+                       " it builds: no meta-device build)")
     from ballast.training.models import hf
 
     assert hf.hf_causal_lm.meta_build is False

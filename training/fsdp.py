@@ -11,8 +11,9 @@ with them. Importing this module does not import torch.
 A model that initializes itself in place (a `ballast_init_weights()` method: the built-ins do) is built
 on the meta device and sharded there; each rank then allocates only its own shards on its device and the
 model initializes them (`build_sharded`): no rank holds the whole model, not even while it is built. A
-model without the method, or whose factory reads weights as it builds and says so (`meta_build =
-False`: hf_causal_lm), is built whole on each rank first, as before, with a line in the log.
+model without the method, one that cannot be built or initialized that way, or whose factory reads
+weights as it builds and says so (`meta_build = False`: hf_causal_lm), is built whole on each rank
+first, as before, with a line in the log.
 """
 
 from __future__ import annotations
@@ -110,12 +111,15 @@ def build_sharded(section: Any, *, device: Any, seed: int, rank: int, precision:
                   log: Callable[[str], Any]) -> Any | None:
     """The model of a run config's model section, sharded (`shard`) while still on the meta device, then
     this rank's shards allocated on `device` and initialized by the model's `ballast_init_weights()`;
-    None where the model cannot be built that way (the caller builds it whole, then shards it).
+    None where the model cannot be built that way (the caller builds it whole, then shards it): its
+    factory says so, it has no such method, or building or initializing it there fails on any rank (a
+    constructor that reads a tensor's value, say). The ranks agree on the outcome (collectively).
 
-    Random initialization of sharded parameters: on CUDA, DTensor's RNG tracker draws each shard from
-    rank 0's seed at the shard's offset (the same full tensor whatever the world size); elsewhere DTensor
-    draws each shard from the rank's own generator, so the ranks are seeded apart (`seed`, `rank`) for
-    their shards to be independent draws. The process's random state is left as it was."""
+    Random initialization of sharded parameters: on CUDA, DTensor's RNG tracker draws each shard at its
+    offset of rank 0's stream (independent draws); elsewhere DTensor draws each shard from the rank's own
+    generator, so the ranks are seeded apart (`seed`, `rank`) for their shards to be independent draws.
+    Buffers, which are not sharded, are then rank 0's on every rank. The process's random state is left
+    as it was."""
     import torch
 
     from ballast.training.models import build_configured_model, registry
@@ -124,23 +128,51 @@ def build_sharded(section: Any, *, device: Any, seed: int, rank: int, precision:
         log(f"model {section.name} is built whole on each rank, then sharded (its factory reads weights as it"
             " builds: no meta-device build)")
         return None
-    with torch.device("meta"):
-        model = build_configured_model(section)
-    init = getattr(model, "ballast_init_weights", None)
-    if not callable(init):
-        log(f"warning: model {type(model).__name__} has no ballast_init_weights() method: each rank builds it"
-            " whole before sharding (the whole model in every process while it is built)")
+    model, why = None, None
+    try:
+        with torch.device("meta"):
+            model = build_configured_model(section)
+    except Exception as exc:  # ConfigFailure from the registry: the whole build says what is wrong, if anything
+        why = f"cannot be built on the meta device ({str(exc).splitlines()[0][:200]})"
+    if model is not None and not callable(getattr(model, "ballast_init_weights", None)):
+        why = "has no ballast_init_weights() method"
+    if _anyone(why is not None, device):
+        log(f"warning: model {section.name} {why or 'cannot be built on the meta device on another rank'}: each"
+            " rank builds it whole before sharding (the whole model in every process while it is built)")
         return None
     shard(model, precision=precision, activation_checkpointing=activation_checkpointing, log=log)
     model.to_empty(device=device)
     gpus = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=gpus), torch.no_grad(), warnings.catch_warnings():
-        # DTensor's warning that its random ops on a CPU mesh use each rank's own generator: what the
-        # per-rank seed is for.
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        torch.manual_seed((seed * 1_000_003 + rank) % (1 << 63))
-        init()
+    try:
+        with torch.random.fork_rng(devices=gpus), torch.no_grad(), warnings.catch_warnings():
+            # DTensor's warning that its random ops on a CPU mesh use each rank's own generator: what the
+            # per-rank seed is for.
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+            torch.manual_seed(seed if gpus else (seed * 1_000_003 + rank) % (1 << 63))
+            model.ballast_init_weights()
+        why = None
+    except Exception as exc:  # an init op sharded parameters do not support
+        why = (f"ballast_init_weights() fails on sharded parameters ({type(exc).__name__}:"
+               f" {str(exc).splitlines()[0][:200]})")
+    if _anyone(why is not None, device):
+        log(f"warning: model {section.name} {why or 'failed to initialize on another rank'}: each rank builds it"
+            " whole before sharding (the whole model in every process while it is built)")
+        return None
+    import torch.distributed as dist
+
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
     return model
+
+
+def _anyone(flag: bool, device: Any) -> bool:
+    """Whether `flag` holds on any rank of the default process group."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def shard(model: Any, *, precision: str, activation_checkpointing: bool, log: Callable[[str], Any]) -> Any:

@@ -93,8 +93,8 @@ def gpt(options: dict[str, Any], data: dict[str, Any]) -> Any:
             self.norm = nn.LayerNorm(width)
             self.head = nn.Linear(width, vocab, bias=False)
             self.head.weight = self.embed.weight  # tied
-            self.register_buffer("cos", torch.empty(angles.shape), persistent=False)
-            self.register_buffer("sin", torch.empty(angles.shape), persistent=False)
+            self.register_buffer("cos", torch.empty(angles.shape, dtype=torch.float32), persistent=False)
+            self.register_buffer("sin", torch.empty(angles.shape, dtype=torch.float32), persistent=False)
             self.ballast_init_weights()
 
         def ballast_init_weights(self):
