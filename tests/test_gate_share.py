@@ -99,11 +99,9 @@ def _save_sharded(root: Path, step: int) -> tuple[Path, dict]:
 
 
 def test_the_launch_gate_gives_a_sharded_checkpoint_no_forward_pass_and_gathers_nothing(tmp_path, monkeypatch):
-    import torch
-
     from ballast.training.checkpoint import dcp
 
-    path, model = _save_sharded(tmp_path, 10)
+    path, _ = _save_sharded(tmp_path, 10)
     seen: list[dict] = []
 
     def probe(p, weights):
@@ -116,5 +114,5 @@ def test_the_launch_gate_gives_a_sharded_checkpoint_no_forward_pass_and_gathers_
     gate.check(path, probe=probe, probe_sharded=False)  # hashes and values only
     assert seen == [] and gathered == []
     with pytest.raises(ckpt.CheckpointFailure, match="a forward pass on a held-out batch gives loss nan"):
-        gate.check(path, probe=probe)  # the verification stage's: the model read once, the probe given it
-    assert gathered == [path] and all(torch.equal(seen[0][k], v) for k, v in model.items())
+        gate.check(path, probe=probe)  # the verification stage's: the probe reads the pieces it needs
+    assert gathered == [] and seen == [{}]  # itself (whole or block by block: checkpoint.streamed)

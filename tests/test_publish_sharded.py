@@ -359,7 +359,8 @@ def test_a_model_trained_under_fsdp_on_two_ranks_is_published_in_shards_giving_t
     """The stages from raw text to publish (train: torchrun, 2 gloo ranks, FSDP, a DCP checkpoint of one
     file per rank); publish with a small shard size reads the rank files a shard at a time and writes >= 3
     safetensors files and the index, all in storage before PUBLISHED; plain safetensors, following the
-    index, loads what gives the trained model's outputs exactly, and so does the registry's load."""
+    index, loads what gives the trained model's outputs exactly, and so does the registry's load; verify and
+    evaluate with the model streamed block by block give the same checkpoints and scores."""
     from ballast.stages import convert, evaluate, publish, train, validate, verify_checkpoint, warm_cache
     from ballast.stages.verify_checkpoint import load_model
     from ballast.storage import FileStorage
@@ -398,12 +399,24 @@ def test_a_model_trained_under_fsdp_on_two_ranks_is_published_in_shards_giving_t
     assert mine[len(shards):] == [published.INDEX, "model_card.json", "PUBLISHED", f"models/{ctx.spec.name}/LATEST"]
     folder = ctx.storage.local_path(prefix)
     assert hashlib.sha256((folder / published.INDEX).read_bytes()).hexdigest() == card["weights_sha256"]
-    trained, _ = load_model(best)  # the checkpoint's model, read whole here (the test's reference only)
+    trained = load_model(best)  # the checkpoint's model, read whole here (the test's reference only)
     model = build_configured_model(ModelConfig.model_validate(card["model"]))
     model.load_state_dict(_load_by_index(folder))
     _same_outputs(trained, model)
     baseline = registry.load(registry.weights(ctx, registry.latest(ctx), tmp_path / "baseline"), card["model_section"])
     _same_outputs(trained, baseline)
+    # The probe and evaluate again with no memory to spare for the model's blocks: each block is read from
+    # the rank files as it runs (checkpoint.streamed); the same checkpoints pass, with the same scores.
+    from ballast.training.checkpoint import streamed
+
+    loaded, load = [], streamed.load
+    monkeypatch.setattr(streamed, "memory_budget", lambda: 0)
+    monkeypatch.setattr(streamed, "load", lambda *a, **k: (loaded.append(load(*a, **k)), loaded[-1])[1])
+    scored = ctx.result("evaluate")
+    again = run_chain(ctx, verify_checkpoint, evaluate)
+    assert loaded and all(m.ballast_streaming.streamed_blocks == 2 for m in loaded)
+    assert again["verify_checkpoint"].best.path == str(best)
+    assert again["evaluate"].metrics == scored.metrics and again["evaluate"].metrics
 
 
 # --- transformers: a hf_causal_lm model published in shards loads with from_pretrained ---------------------

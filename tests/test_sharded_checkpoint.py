@@ -99,7 +99,7 @@ def test_each_rank_writes_its_shards_and_a_resume_at_another_world_size_reshards
     # The orchestrator's stages rebuild the model from the shards (verify_checkpoint's probe, evaluate).
     from ballast.stages.verify_checkpoint import load_model
 
-    _assert_equal(model, {k: v for k, v in load_model(path)[0].state_dict().items()}, "rebuilt model")
+    _assert_equal(model, {k: v for k, v in load_model(path).state_dict().items()}, "rebuilt model")
     # Another world size: every rank reads its new pieces; gathered (here only) they are what was saved.
     done = _worker(tmp_path, lm_cache, other, "dump", str(tmp_path / "restored.pt"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -14,6 +14,9 @@ and `ballast.storage` import this package in the orchestrator):
     writer_child    that process's own side: writes the plans it is sent, ends with its trainer
     arena     the shared memory (memfd) the snapshot buffers live in, for the writer process
     average   the mean of the last checkpoints' weights, and the export CLI (`python -m ballast.training.average`)
+    export    a checkpoint's model as published safetensors, one output shard at a time; `source`, the
+              tensors of any saved model read by name
+    streamed  a saved model run in one process that need not hold it (blocks read as they run)
     snapshot  CPU copies of the state into buffers reused from save to save
     gate      the validity predicate (`check`: may this checkpoint be resumed from or promoted),
               quarantine, the newest checkpoint that passes (`latest_passing`)

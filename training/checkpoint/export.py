@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,9 @@ def _dcp_source(path: Path) -> _Source:
     def read(names: list[str]) -> dict[str, Any]:
         out = {n: torch.empty(tuple(entries[n].size), dtype=entries[n].properties.dtype) for n in names}
         try:
-            dcp_api.load({dcp.MODEL: out}, storage_reader=dcp.reader(path), no_dist=True)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_api.load({dcp.MODEL: out}, storage_reader=dcp.reader(path), no_dist=True)
         except CheckpointFailure:
             raise
         except (Exception, CheckpointException) as exc:  # DCP's wraps what its reader raised (a damaged record);
@@ -111,10 +114,44 @@ def _file_source(path: Path) -> _Source:
                    lambda names: {n: state[n] for n in names})
 
 
+def _index_source(path: Path) -> _Source:
+    """Published sharded weights (the index `path`, its shards beside it), each tensor read from its
+    shard file as asked (a shard's header is read once, at the first tensor asked of it)."""
+    from safetensors import safe_open
+
+    from ballast.training.checkpoint.published import read_index
+
+    weight_map = read_index(path)
+    handles: dict[str, Any] = {}
+
+    def shard(file: str) -> Any:
+        if file not in handles:
+            try:
+                handles[file] = safe_open(str(path.parent / file), framework="pt", device="cpu")
+            except Exception as exc:  # FileNotFoundError, SafetensorError (a damaged header)
+                raise CheckpointFailure(f"{path.parent / file}: cannot open as a safetensors shard of {path.name}"
+                                        f" ({type(exc).__name__}: {exc})") from exc
+        return handles[file]
+
+    sizes = {}
+    for name, file in weight_map.items():
+        try:
+            sl = shard(file).get_slice(name)
+        except CheckpointFailure:
+            raise
+        except Exception as exc:  # the shard lacks a tensor its index maps to it
+            raise CheckpointFailure(f"{path.parent / file}: no tensor {name!r}, which {path.name} maps to it;"
+                                    " publish the model again") from exc
+        sizes[name] = _numel(sl.get_shape()) * _dtype_size(sl.get_dtype())
+    return _Source(sizes, lambda names: {n: shard(weight_map[n]).get_tensor(n) for n in names})
+
+
 def source(src: Path) -> _Source:
-    """The model tensors of `src`: a tensor file, or a checkpoint directory (its model.pt, or a sharded
-    checkpoint's model pieces)."""
+    """The model tensors of `src`: a tensor file, published sharded weights (their index), or a
+    checkpoint directory (its model.pt, or a sharded checkpoint's model pieces)."""
     src = Path(src)
+    if src.name.endswith(".safetensors.index.json"):
+        return _index_source(src)
     if src.is_file():
         return _file_source(src)
     if (src / "model.pt").is_file() or not (src / DCP_METADATA).is_file():

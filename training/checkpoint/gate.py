@@ -43,8 +43,9 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
           share: tuple[int, int] | None = None, probe_sharded: bool = True, held_only: bool = False) -> dict[str, Any]:
     """Raise CheckpointFailure naming the first thing wrong with `path`; return its trainer state.
     `share` (part, parts): check only this part of the files' hashes and tensors (`latest_passing`'s
-    ranks split the check and agree on it). `probe_sharded` false: a sharded checkpoint gets no forward
-    pass (it would gather the whole model in this process), only its hashes and every tensor's values.
+    ranks split the check and agree on it). `probe(path, weights)` gets model.pt's tensors, read here
+    anyway, or for a sharded checkpoint none (it reads the pieces it needs). `probe_sharded` false: a
+    sharded checkpoint gets no forward pass (the trainer's gate), only its hashes and every tensor's values.
     `held_only`: a node-local directory (`local-files.json`) is checked on the files it holds, `share`
     splitting those; the others are other nodes' to check."""
     import torch
@@ -77,8 +78,7 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
         dcp.check(path, share=share, files=None if held is None else held)
         if not probe_sharded:
             probe = None
-        if probe is not None:
-            weights = dcp.model_weights(path)  # the probe's forward pass needs the model in one process
+        weights = {}  # the probe reads the model's pieces itself (whole, or block by block: checkpoint.streamed)
     if probe is not None:
         loss = probe(path, weights)
         if not math.isfinite(loss):

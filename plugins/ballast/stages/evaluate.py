@@ -10,7 +10,9 @@ The test split streams from the node-local cache in batches of `evaluation.batch
 (training.dataset.reader.iter_split, a block read at a time), and each model's summable metric parts
 (TaskOps.parts) add up batch by batch: the scores equal those of the split scored whole, and memory
 holds a block and a batch, whatever the split's size. With `evaluation.publish: if_better` the
-published model is scored in the same pass, side by side.
+published model is scored in the same pass, side by side. A model whose weights are larger than this
+process may hold runs with its blocks read as they run (training.checkpoint.streamed): slower, not
+out of memory.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def score_batches(models: list[Any], task: Any, batches: Iterable[Any], *, per_c
     return tallies
 
 
-def _published(ctx: RunContext) -> tuple[Any, Any]:
+def _published(ctx: RunContext, budget: int) -> tuple[Any, Any]:
     """The last published model and its registry entry (evaluation.publish: if_better), or (None, None)."""
     from ballast.storage import models as registry
 
@@ -96,12 +98,13 @@ def _published(ctx: RunContext) -> tuple[Any, Any]:
     if published is None:
         ctx.log.info("evaluation.publish if_better: no model published yet; this one will be the first")
         return None, None
-    return registry.load(registry.weights(ctx, published, ctx.work_dir / "baseline"),
-                         published.model_section), published
+    return registry.load(registry.weights(ctx, published, ctx.work_dir / "baseline"), published.model_section,
+                         budget=budget, log=ctx.log.info), published
 
 
 def run(ctx: RunContext) -> EvaluateResult:
     from ballast.training import checkpoint as ckpt
+    from ballast.training.checkpoint import streamed
     from ballast.training.dataset.reader import iter_split
     from ballast.training.scores import reaches
 
@@ -109,12 +112,15 @@ def run(ctx: RunContext) -> EvaluateResult:
     ev = spec.evaluation
     best = Path(ctx.result("verify_checkpoint").best.path)
     cache = ctx.result("warm_cache")
-    model, _ = load_model(best)  # a damaged file is a CheckpointFailure naming it: no retry (the runner)
+    # The weights held here: whole where they fit this process's budget, else streamed block by block as
+    # the model runs (training.checkpoint.streamed); a baseline to score beside it takes half.
+    budget = streamed.memory_budget() // (2 if ev.publish == "if_better" else 1)
+    model = load_model(best, budget=budget, log=ctx.log.info)  # a damaged file: a CheckpointFailure, no retry
     task = task_of(recorded_section(best), cache.cache_dir)
     if ev.metric not in task.metrics:
         raise ConfigError(f"evaluation.metric: {ev.metric!r} is not computed for this dataset (task {task.task}"
                           f" reports {', '.join(task.metrics)} here); choose one of those")
-    baseline_model, published = _published(ctx) if ev.publish == "if_better" else (None, None)
+    baseline_model, published = _published(ctx, budget) if ev.publish == "if_better" else (None, None)
     batches = iter_split(Path(cache.cache_dir), "test", fmt=cache.format, batch_rows=ev.batch_size,
                          num_classes=spec.dataset.num_classes)
     models = [model] if baseline_model is None else [model, baseline_model]

@@ -3,7 +3,8 @@
 The verification gate (`training.checkpoint.gate.check`, the trainer's resume path runs the same
 predicate): committed marker, manifest sizes and sha256, tensors loadable without unpickling and
 finite, the step where its directory says, and a forward pass on a held-out batch with a finite loss
-(`held_out_probe`). The model is rebuilt from what the checkpoint records about itself
+(`held_out_probe`; a model too large for this process runs with its blocks' weights read as they run:
+training.checkpoint.streamed). The model is rebuilt from what the checkpoint records about itself
 (`load_model`, which evaluate uses too), not from the spec. A checkpoint that fails is quarantined
 (`<checkpoints>/quarantine/`, with its reason) and the newest one before it that passes takes its
 place; with none left the task fails without retrying.
@@ -20,18 +21,22 @@ from ballast.errors import CheckpointError
 from ballast.records import CheckedCheckpoint, VerifyResult
 
 
-def load_model(path: Path, weights: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-    """The checkpoint's model with its weights loaded, and the weights: built from the model section
-    its trainer.json records (training.checkpoint.recorded_model), not from the spec, which may have
-    been edited since. A CheckpointFailure (missing or damaged file) goes up as it is: the runner
-    translates it (class data, no retry); a model whose package fails to build it is a ConfigFailure
-    naming the package (class config). `weights`: the checkpoint's model weights already read (the
-    gate's), not read a second time."""
+def load_model(path: Path, weights: dict[str, Any] | None = None, *, budget: int | None = None,
+               log: Callable[[str], Any] | None = None) -> Any:
+    """The checkpoint's model with its weights loaded, in eval mode: built from the model section its
+    trainer.json records (training.checkpoint.recorded_model), not from the spec, which may have been
+    edited since. A CheckpointFailure (missing or damaged file) goes up as it is: the runner translates
+    it (class data, no retry); a model whose package fails to build it is a ConfigFailure naming the
+    package (class config). `weights`: the checkpoint's model weights already read (the gate's of a
+    model.pt), not read a second time. Otherwise the weights are read from the checkpoint whole when
+    they fit `budget` bytes (default: training.checkpoint.streamed.memory_budget()), else block by block
+    as the model runs (a sharded checkpoint of a model larger than this process: `streamed`)."""
     from ballast.training import checkpoint as ckpt
+    from ballast.training.checkpoint import streamed
 
     section = recorded_section(path)
     if not weights:
-        weights = ckpt.model_weights(path)  # model.pt, or a sharded (FSDP) checkpoint's model pieces
+        return streamed.load(path, section, budget=streamed.memory_budget() if budget is None else budget, log=log)
     model = build_recorded(section)
     try:
         model.load_state_dict(weights)
@@ -39,7 +44,7 @@ def load_model(path: Path, weights: dict[str, Any] | None = None) -> tuple[Any, 
         raise CheckpointError(f"{path / 'model.pt'}: weights do not fit the model {section.name!r} for"
                               f" {section.task} {section.data.get('input_shape')} recorded in"
                               f" {ckpt.TRAINER_STATE}: {str(exc).splitlines()[0]}") from exc
-    return model, weights
+    return model.eval()
 
 
 def recorded_section(path: Path) -> Any:
@@ -89,8 +94,9 @@ def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
     x, y = task_ops.as_tensors(task_ops.take(x, 0, PROBE_ROWS)), task_ops.as_tensors(task_ops.take(y, 0, PROBE_ROWS))
 
     def probe(path: Path, weights: dict) -> float:
-        model, _ = load_model(path, weights)  # the weights the gate read: one copy of the model here
-        model.eval()
+        # The weights the gate read (a model.pt): one copy of the model here; a sharded checkpoint's are
+        # read here, block by block as the model runs when they are larger than this process may hold.
+        model = load_model(path, weights)
         section = recorded_section(path)
         task = task_ops.TaskOps(section.task, num_classes=section.data.get("num_classes"))
         inputs, target = task.prepare(x, y)

@@ -16,7 +16,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ballast.errors import BallastError, DataError
 from ballast.pipeline.context import RunContext
@@ -119,14 +119,14 @@ def _fetch(ctx: RunContext, key: str, dest: Path, want: str) -> Path:
     return dest
 
 
-def load(path: Path, model_section: dict[str, Any]) -> Any:
+def load(path: Path, model_section: dict[str, Any], *, budget: int | None = None,
+         log: Callable[[str], Any] | None = None) -> Any:
     """The model a published card describes, with its weights (safetensors: one file, or the index of
-    its shards, read one file at a time; or an earlier version's tensor-only model.pt: loaded without
-    unpickling either way)."""
-    from ballast.training import checkpoint as ckpt
+    its shards; or an earlier version's tensor-only model.pt: loaded without unpickling either way), in
+    eval mode: read whole where they fit `budget` bytes (default: what this process may hold), else
+    block by block as the model runs (training.checkpoint.streamed)."""
+    from ballast.training.checkpoint import streamed
     from ballast.training.config.run import ModelConfig
-    from ballast.training.models import build_configured_model
 
-    model = build_configured_model(ModelConfig.model_validate(model_section))
-    model.load_state_dict(ckpt.load_tensors(path))
-    return model
+    return streamed.load(path, ModelConfig.model_validate(model_section),
+                         budget=streamed.memory_budget() if budget is None else budget, log=log)
