@@ -227,7 +227,7 @@ def test_streaming_holds_a_block_and_a_batch_not_the_split(tmp_path, monkeypatch
 
 def test_the_evaluate_stage_scores_in_batches_of_evaluation_batch_size(tmp_path, caplog):
     """evaluate.run on a committed checkpoint: the same record at batch_size 7 as in one batch, and the
-    log says the batch size."""
+    log says the batch size and the rows scored (the progress line)."""
     import logging
 
     from ballast.pipeline.context import RunContext
@@ -258,6 +258,8 @@ def test_the_evaluate_stage_scores_in_batches_of_evaluation_batch_size(tmp_path,
         with caplog.at_level(logging.INFO, logger=ctx.log.name):
             records.append(evaluate.run(ctx))
         assert any(f"held-out rows in batches of {size} " in r.getMessage() for r in caplog.records), caplog.text
+        rows = records[-1].test_rows  # the progress line at the end: every row of the split scored
+        assert any(r.getMessage().startswith(f"evaluate: {rows}/{rows} rows (100%)") for r in caplog.records)
     small, big = records
     assert small.test_rows == big.test_rows == want["samples"]
     assert math.isclose(small.accuracy, want["accuracy"]) and math.isclose(small.loss, want["loss"], rel_tol=1e-5)

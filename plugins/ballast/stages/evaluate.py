@@ -9,7 +9,8 @@ comparison (training.tasks.ops, training.scores), on the model the checkpoint re
 The test split streams from the node-local cache in batches of `evaluation.batch_size` rows
 (training.dataset.reader.iter_split, a block read at a time), and each model's summable metric parts
 (TaskOps.parts) add up batch by batch: the scores equal those of the split scored whole, and memory
-holds a block and a batch, whatever the split's size. With `evaluation.publish: if_better` the
+holds a block and a batch, whatever the split's size; the rows scored are reported as the work goes
+(done, total, rate, ETA) in the task log. With `evaluation.publish: if_better` the
 published model is scored in the same pass, side by side. A model whose weights are larger than this
 process may hold runs with its blocks read as they run (training.checkpoint.streamed): slower, not
 out of memory.
@@ -72,9 +73,11 @@ def _summed(a: list[int], b: list[int]) -> list[int]:
     return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
-def score_batches(models: list[Any], task: Any, batches: Iterable[Any], *, per_class: bool = False) -> list[Tally]:
+def score_batches(models: list[Any], task: Any, batches: Iterable[Any], *, per_class: bool = False,
+                  progress: Any = None) -> list[Tally]:
     """Each model's tally over the batches of a split (reader.Split each, as iter_split yields them):
-    one forward pass per model and batch, under no_grad; the task's metrics are `task.scores(t.parts)`."""
+    one forward pass per model and batch, under no_grad; the task's metrics are `task.scores(t.parts)`.
+    `progress` (ballast.data.progress.Progress) counts the rows scored."""
     import torch
 
     from ballast.training.tasks import ops as task_ops
@@ -87,6 +90,8 @@ def score_batches(models: list[Any], task: Any, batches: Iterable[Any], *, per_c
             x, y = task.prepare(task_ops.as_tensors(batch.features), task_ops.as_tensors(batch.labels))
             for model, tally in zip(models, tallies):
                 tally.add(task, model(x), y, per_class)
+            if progress is not None:
+                progress.add(len(batch))
     return tallies
 
 
@@ -105,6 +110,8 @@ def _published(ctx: RunContext, budget: int) -> tuple[Any, Any]:
 def run(ctx: RunContext) -> EvaluateResult:
     from ballast.training import checkpoint as ckpt
     from ballast.training.checkpoint import streamed
+    from ballast.data.progress import Progress
+    from ballast.training.dataset.format import blocks_of, read_manifest
     from ballast.training.dataset.reader import iter_split
     from ballast.training.scores import reaches
 
@@ -124,7 +131,9 @@ def run(ctx: RunContext) -> EvaluateResult:
     batches = iter_split(Path(cache.cache_dir), "test", fmt=cache.format, batch_rows=ev.batch_size,
                          num_classes=spec.dataset.num_classes)
     models = [model] if baseline_model is None else [model, baseline_model]
-    tallies = score_batches(models, task, batches, per_class=task.task == "classification")
+    total = sum(b.rows for b in blocks_of(read_manifest(Path(cache.cache_dir)), "test", cache.format))
+    progress = Progress(ctx.log, "evaluate", total)  # in the task log, every few seconds and at the end
+    tallies = score_batches(models, task, batches, per_class=task.task == "classification", progress=progress)
     scores = task.scores(tallies[0].parts)
     rows = int(scores["samples"])
     value = scores[ev.metric]
