@@ -399,13 +399,21 @@ def test_average_export_cli(tmp_path):
     for step, value in ((10, 2.0), (20, 4.0)):
         w = ckpt.Writer(tmp_path / "ckpt", step, rank=0, barrier=lambda: None)
         w.begin()
-        w.write_tensors("model.pt", {"w": torch.full((2,), value)})
+        w.write_tensors("model.pt", {"w": torch.full((2,), value), "v": torch.full((4,), value)})
         w.commit()
     out = tmp_path / "avg.pt"
     proc = subprocess.run([sys.executable, "-m", "ballast.training.average", str(tmp_path / "ckpt"), "--last", "2",
                            "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert torch.equal(ckpt.load_tensors(out)["w"], torch.full((2,), 3.0))
+    # Into a directory: safetensors shards and their index, written a shard at a time.
+    proc = subprocess.run([sys.executable, "-m", "ballast.training.average", str(tmp_path / "ckpt"), "--last", "2",
+                           "--out", str(tmp_path / "avg"), "--shard-bytes", "8"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "avg").iterdir()) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    loaded = ckpt.load_tensors(tmp_path / "avg" / "model.safetensors.index.json")
+    assert torch.equal(loaded["w"], torch.full((2,), 3.0)) and torch.equal(loaded["v"], torch.full((4,), 3.0))
     (tmp_path / "ckpt" / "step-00000020" / "model.pt").write_bytes(b"tampered")
     bad = subprocess.run([sys.executable, "-m", "ballast.training.average", str(tmp_path / "ckpt"), "--out", str(out)],
                          capture_output=True, text=True)

@@ -102,10 +102,10 @@ def test_the_launch_gate_gives_a_sharded_checkpoint_no_forward_pass_and_gathers_
     from ballast.training.checkpoint import dcp
 
     path, _ = _save_sharded(tmp_path, 10)
-    seen: list[dict] = []
+    seen: list[Path] = []
 
-    def probe(p, weights):
-        seen.append(weights)
+    def probe(p):
+        seen.append(p)
         return float("nan")
 
     gathered: list[Path] = []
@@ -115,4 +115,4 @@ def test_the_launch_gate_gives_a_sharded_checkpoint_no_forward_pass_and_gathers_
     assert seen == [] and gathered == []
     with pytest.raises(ckpt.CheckpointFailure, match="a forward pass on a held-out batch gives loss nan"):
         gate.check(path, probe=probe)  # the verification stage's: the probe reads the pieces it needs
-    assert gathered == [] and seen == [{}]  # itself (whole or block by block: checkpoint.streamed)
+    assert gathered == [] and seen == [path]  # itself (whole or block by block: checkpoint.streamed)

@@ -172,7 +172,7 @@ def test_export_holds_one_shard_of_tensors_at_a_time(tmp_path, monkeypatch):
             reads.append(list(names))
             return out
 
-        return export._Source(s.sizes, read)
+        return export.Source(s.sizes, read)
 
     monkeypatch.setattr(export, "source", tracked)
     done = export.export(src, tmp_path / "pub", max_shard_bytes=limit)
@@ -182,6 +182,33 @@ def test_export_holds_one_shard_of_tensors_at_a_time(tmp_path, monkeypatch):
     assert not alive  # nothing kept after its file was written
     loaded = _load_by_index(tmp_path / "pub")
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.unit
+def test_the_mean_of_sharded_checkpoints_is_exported_a_shard_at_a_time(tmp_path, monkeypatch):
+    """`python -m ballast.training.average ... --out DIR`'s export: each output shard's tensors are read
+    from every checkpoint in turn and averaged, never the whole model; the files hold the mean."""
+    import torch
+    from ballast.training.checkpoint.average import average, averaged
+
+    states = [{f"layer{i}.weight": torch.randn(64, 64) for i in range(6)} for _ in range(3)]
+    paths = [_dcp_checkpoint(tmp_path / f"ckpt{k}", st) for k, st in enumerate(states)]
+    reads: list[list[str]] = []
+    real = export.source
+
+    def tracked(path):
+        s = real(path)
+        return export.Source(s.sizes, lambda names: (reads.append(list(names)), s.read(names))[1])
+
+    monkeypatch.setattr(export, "source", tracked)
+    done = export.export(averaged(paths), tmp_path / "avg", max_shard_bytes=2 * 64 * 64 * 4)
+    assert len(done.files) == 4 and len(reads) == 3 * 3  # 3 shards, each read from the 3 checkpoints
+    assert all(len(r) == 2 for r in reads)  # a shard's two tensors at a time, not the six
+    loaded = _load_by_index(tmp_path / "avg")
+    for k in states[0]:
+        mean = (states[0][k].double() + states[1][k].double() + states[2][k].double()) / 3
+        assert torch.equal(loaded[k], mean.float())
+    assert loaded.keys() == average(paths).keys()
 
 
 _PEAK = """

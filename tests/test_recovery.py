@@ -324,7 +324,7 @@ def test_the_gate_quarantines_what_fails_and_the_one_before_takes_its_place(tmp_
     probed = _checkpoint(tmp_path, 30, {"w": torch.ones(3)})
     logged = []
     # A forward pass that diverges on step 30's weights; step 20 holds a NaN; step 10 passes.
-    probe = lambda path, weights: float("inf") if path.name == probed.name else 0.5  # noqa: E731
+    probe = lambda path: float("inf") if path.name == probed.name else 0.5  # noqa: E731
     assert gate.latest_passing(tmp_path, probe=probe, log=logged.append) == good
     reasons = {q["checkpoint"]: q["reason"] for q in gate.quarantined(tmp_path)}
     assert set(reasons) == {"step-00000020", "step-00000030"}

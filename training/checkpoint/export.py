@@ -51,14 +51,14 @@ class Exported:
 
 
 @dataclass(frozen=True)
-class _Source:
+class Source:
     sizes: dict[str, int]
     """Each tensor's bytes, in the model's order."""
     read: Callable[[list[str]], dict[str, Any]]
     """The named tensors, whole, read now (and nothing else)."""
 
 
-def _dcp_source(path: Path) -> _Source:
+def _dcp_source(path: Path) -> Source:
     import torch
     import torch.distributed.checkpoint as dcp_api
     from torch.distributed.checkpoint.api import CheckpointException
@@ -87,10 +87,10 @@ def _dcp_source(path: Path) -> _Source:
                                     f" ({dcp.first_line(exc)})") from exc
         return out
 
-    return _Source({n: e.properties.dtype.itemsize * _numel(e.size) for n, e in entries.items()}, read)
+    return Source({n: e.properties.dtype.itemsize * _numel(e.size) for n, e in entries.items()}, read)
 
 
-def _file_source(path: Path) -> _Source:
+def _file_source(path: Path) -> Source:
     """A tensor file: model.pt mapped (torch.load with mmap: its pages are read as the shards need
     them), or a safetensors file read lazily."""
     import torch
@@ -104,17 +104,17 @@ def _file_source(path: Path) -> _Source:
             for name in handle.keys():  # noqa: SIM118  (a safe_open handle is not iterable)
                 sl = handle.get_slice(name)
                 sizes[name] = _numel(sl.get_shape()) * _dtype_size(sl.get_dtype())
-            return _Source(sizes, lambda names: {n: handle.get_tensor(n) for n in names})
+            return Source(sizes, lambda names: {n: handle.get_tensor(n) for n in names})
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # UnpicklingError, RuntimeError, SafetensorError... for a bad file
         raise CheckpointFailure(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointFailure(f"{path}: not a dict of tensors (a model's state dict)")
-    return _Source({k: v.numel() * v.element_size() for k, v in state.items()},
+    return Source({k: v.numel() * v.element_size() for k, v in state.items()},
                    lambda names: {n: state[n] for n in names})
 
 
-def _index_source(path: Path) -> _Source:
+def _index_source(path: Path) -> Source:
     """Published sharded weights (the index `path`, its shards beside it), each tensor read from its
     shard file as asked (a shard's header is read once, at the first tensor asked of it)."""
     from safetensors import safe_open
@@ -143,10 +143,10 @@ def _index_source(path: Path) -> _Source:
             raise CheckpointFailure(f"{path.parent / file}: no tensor {name!r}, which {path.name} maps to it;"
                                     " publish the model again") from exc
         sizes[name] = _numel(sl.get_shape()) * _dtype_size(sl.get_dtype())
-    return _Source(sizes, lambda names: {n: shard(weight_map[n]).get_tensor(n) for n in names})
+    return Source(sizes, lambda names: {n: shard(weight_map[n]).get_tensor(n) for n in names})
 
 
-def source(src: Path) -> _Source:
+def source(src: Path) -> Source:
     """The model tensors of `src`: a tensor file, published sharded weights (their index), or a
     checkpoint directory (its model.pt, or a sharded checkpoint's model pieces)."""
     src = Path(src)
@@ -179,10 +179,11 @@ def plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards + [current] if current or not shards else shards
 
 
-def shards(src: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(file name, its tensors) for each output file of the model of `src`, read one shard at a time:
-    the caller drops a shard's tensors before asking for the next."""
-    from_src = source(src)
+def shards(src: Path | Source, max_shard_bytes: int = MAX_SHARD_BYTES) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file name, its tensors) for each output file of the model of `src` (a path `source` reads, or a
+    source: the mean of checkpoints, `average.averaged`), read one shard at a time: the caller drops a
+    shard's tensors before asking for the next."""
+    from_src = src if isinstance(src, Source) else source(src)
     groups = plan(from_src.sizes, max_shard_bytes)
     n = len(groups)
     for k, names in enumerate(groups, 1):
@@ -220,7 +221,7 @@ def transformers_layout(model_section: dict[str, Any]) -> tuple[Callable[[str], 
     return (lambda name: name.removeprefix("model.")), config
 
 
-def export(src: Path, dest_dir: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES,
+def export(src: Path | Source, dest_dir: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES,
            metadata: dict[str, str] | None = None, model_section: dict[str, Any] | None = None) -> Exported:
     """Write the model of `src` into `dest_dir` as published weights, one shard in memory at a time;
     for a `hf_causal_lm` model (`model_section`) in transformers' names, with its config.json.

@@ -25,10 +25,11 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def load_tensors(path: Path) -> Any:
+def load_tensors(path: Path, *, mmap: bool = False) -> Any:
     """Load a tensor file without unpickling arbitrary objects: safetensors (`.safetensors`, what publish
     writes; or the index of a sharded one, `model.safetensors.index.json`, its shards beside it) or a
-    torch file read with `weights_only` (checkpoints)."""
+    torch file read with `weights_only` (checkpoints); `mmap`: a torch file's tensors are views of the
+    file mapped in (pages read as they are used, clean pages the kernel can take back), not copies."""
     import torch
 
     if Path(path).name.endswith(".safetensors.index.json"):
@@ -40,7 +41,7 @@ def load_tensors(path: Path) -> Any:
             from safetensors.torch import load_file
 
             return load_file(str(path), device="cpu")
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError... for a bad file
         raise CheckpointFailure(f"{path}: cannot load as a tensor file ({type(exc).__name__}: {exc})") from exc
 

@@ -35,16 +35,16 @@ from ballast.training.failure import CheckpointFailure
 QUARANTINE_DIR = "quarantine"
 REASON_FILE = "QUARANTINED.json"
 
-Probe = Callable[[Path, dict[str, Any]], float]
-"""(checkpoint path, its model weights) -> the loss of a forward pass on a held-out batch."""
+Probe = Callable[[Path], float]
+"""checkpoint path -> the loss of a forward pass on a held-out batch (the probe reads the model)."""
 
 
 def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None,
           share: tuple[int, int] | None = None, probe_sharded: bool = True, held_only: bool = False) -> dict[str, Any]:
     """Raise CheckpointFailure naming the first thing wrong with `path`; return its trainer state.
     `share` (part, parts): check only this part of the files' hashes and tensors (`latest_passing`'s
-    ranks split the check and agree on it). `probe(path, weights)` gets model.pt's tensors, read here
-    anyway, or for a sharded checkpoint none (it reads the pieces it needs). `probe_sharded` false: a
+    ranks split the check and agree on it). `probe(path)`: a forward pass's loss, the probe reading the
+    model itself (whole, or block by block: checkpoint.streamed). `probe_sharded` false: a
     sharded checkpoint gets no forward pass (the trainer's gate), only its hashes and every tensor's values.
     `held_only`: a node-local directory (`local-files.json`) is checked on the files it holds, `share`
     splitting those; the others are other nodes' to check."""
@@ -62,25 +62,22 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
     if min_step is not None and state["step"] < min_step:
         raise CheckpointFailure(f"{path}: step {state['step']} is behind step {min_step}, which an earlier"
                                 f" stage already verified; the step must not go backwards")
-    weights: dict[str, Any] = {}
     for name in present:
-        if not name.endswith(".pt") or (name not in mine and not (probe is not None and name == "model.pt")):
+        if not name.endswith(".pt") or name not in mine:
             continue
-        tensors = load_tensors(path / name)
+        tensors = load_tensors(path / name, mmap=True)  # the file's pages, not a copy of them
         for key, value in _tensors(tensors):
             if torch.is_tensor(value) and torch.is_floating_point(value) and not torch.isfinite(value).all():
                 raise CheckpointFailure(f"{path / name}: non-finite values in {key}")
-        if name == "model.pt":
-            weights = tensors
+        del tensors
     if DCP_METADATA in manifest["files"]:  # sharded (FSDP): DCP's shards, read a bounded batch at a time
         from ballast.training.checkpoint import dcp
 
         dcp.check(path, share=share, files=None if held is None else held)
         if not probe_sharded:
             probe = None
-        weights = {}  # the probe reads the model's pieces itself (whole, or block by block: checkpoint.streamed)
-    if probe is not None:
-        loss = probe(path, weights)
+    if probe is not None:  # it reads the model itself (whole, or block by block: checkpoint.streamed)
+        loss = probe(path)
         if not math.isfinite(loss):
             raise CheckpointFailure(f"{path}: a forward pass on a held-out batch gives loss {loss}")
     return state

@@ -132,8 +132,9 @@ def _gate_checkpoints(ctx: RunContext, cache, ckpt_dir: Path) -> Path | None:
     floor = None
     if (ctx.round or 1) > 1:
         floor = _verified_step(ctx, ctx.round - 1)
-    # A sharded (FSDP) checkpoint gets no forward pass here: it would gather the whole model in this one
-    # process before every try. Its hashes and every tensor's values are checked, a bounded batch at a time.
+    # A sharded (FSDP) checkpoint gets no forward pass here: it would read the whole model again in this one
+    # process before every try (block by block where it is larger than the process may hold: checkpoint.
+    # streamed). Its hashes and every tensor's values are checked, a bounded batch at a time.
     resume = gate.latest_passing(ckpt_dir, probe=held_out_probe(cache.cache_dir, cache.format), min_step=floor,
                                  log=ctx.log.warning, probe_sharded=False)
     if resume is None and floor is not None:

@@ -21,30 +21,18 @@ from ballast.errors import CheckpointError
 from ballast.records import CheckedCheckpoint, VerifyResult
 
 
-def load_model(path: Path, weights: dict[str, Any] | None = None, *, budget: int | None = None,
-               log: Callable[[str], Any] | None = None) -> Any:
+def load_model(path: Path, *, budget: int | None = None, log: Callable[[str], Any] | None = None) -> Any:
     """The checkpoint's model with its weights loaded, in eval mode: built from the model section its
     trainer.json records (training.checkpoint.recorded_model), not from the spec, which may have been
-    edited since. A CheckpointFailure (missing or damaged file) goes up as it is: the runner translates
-    it (class data, no retry); a model whose package fails to build it is a ConfigFailure naming the
-    package (class config). `weights`: the checkpoint's model weights already read (the gate's of a
-    model.pt), not read a second time. Otherwise the weights are read from the checkpoint whole when
-    they fit `budget` bytes (default: training.checkpoint.streamed.memory_budget()), else block by block
-    as the model runs (a sharded checkpoint of a model larger than this process: `streamed`)."""
-    from ballast.training import checkpoint as ckpt
+    edited since. A CheckpointFailure (missing or damaged file, weights of another model) goes up as it
+    is: the runner translates it (class data, no retry); a model whose package fails to build it is a
+    ConfigFailure naming the package (class config). The weights are read whole when they fit `budget`
+    bytes (default: training.checkpoint.streamed.memory_budget()), else block by block as the model
+    runs (`training.checkpoint.streamed`)."""
     from ballast.training.checkpoint import streamed
 
-    section = recorded_section(path)
-    if not weights:
-        return streamed.load(path, section, budget=streamed.memory_budget() if budget is None else budget, log=log)
-    model = build_recorded(section)
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{path / 'model.pt'}: weights do not fit the model {section.name!r} for"
-                              f" {section.task} {section.data.get('input_shape')} recorded in"
-                              f" {ckpt.TRAINER_STATE}: {str(exc).splitlines()[0]}") from exc
-    return model.eval()
+    return streamed.load(path, recorded_section(path), log=log,
+                         budget=streamed.memory_budget() if budget is None else budget)
 
 
 def recorded_section(path: Path) -> Any:
@@ -93,10 +81,10 @@ def held_out_probe(cache_dir: str, fmt: str) -> Callable[[Path, dict], float]:
     x, y = read_block(data_dir, blocks[0], fmt, BlockDecoder(manifest, fmt))
     x, y = task_ops.as_tensors(task_ops.take(x, 0, PROBE_ROWS)), task_ops.as_tensors(task_ops.take(y, 0, PROBE_ROWS))
 
-    def probe(path: Path, weights: dict) -> float:
-        # The weights the gate read (a model.pt): one copy of the model here; a sharded checkpoint's are
-        # read here, block by block as the model runs when they are larger than this process may hold.
-        model = load_model(path, weights)
+    def probe(path: Path) -> float:
+        # The weights read whole, or block by block as the model runs where they are larger than this
+        # process may hold (training.checkpoint.streamed).
+        model = load_model(path)
         section = recorded_section(path)
         task = task_ops.TaskOps(section.task, num_classes=section.data.get("num_classes"))
         inputs, target = task.prepare(x, y)
