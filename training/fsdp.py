@@ -122,20 +122,16 @@ def build_sharded(section: Any, *, device: Any, seed: int, rank: int, precision:
     as it was."""
     import torch
 
-    from ballast.training.models import build_configured_model, registry
+    from ballast.training.models import build_on_meta, registry
 
     if getattr(registry.load_factory(section.name), "meta_build", True) is False:
         log(f"model {section.name} is built whole on each rank, then sharded (its factory reads weights as it"
             " builds: no meta-device build)")
         return None
-    model, why = None, None
-    try:
-        with torch.device("meta"):
-            model = build_configured_model(section)
-    except Exception as exc:  # ConfigFailure from the registry: the whole build says what is wrong, if anything
-        why = f"cannot be built on the meta device ({str(exc).splitlines()[0][:200]})"
+    model, why = build_on_meta(section)
     if model is not None and not callable(getattr(model, "ballast_init_weights", None)):
         why = "has no ballast_init_weights() method"
+    why = why or None
     if _anyone(why is not None, device):
         log(f"warning: model {section.name} {why or 'cannot be built on the meta device on another rank'}: each"
             " rank builds it whole before sharding (the whole model in every process while it is built)")

@@ -176,13 +176,12 @@ def _on_meta(section: Any) -> tuple[Any | None, str]:
     (its parameters left on the meta device), in eval mode; or None and why it cannot be built so."""
     import torch
 
-    from ballast.training.models import build_configured_model, registry
+    from ballast.training.models import build_on_meta
 
-    if getattr(registry.load_factory(section.name), "meta_build", True) is False:
-        return None, "reads weights as its factory builds it (meta_build = False)"
+    model, why = build_on_meta(section)
+    if model is None:
+        return None, why
     try:
-        with torch.device("meta"):
-            model = build_configured_model(section)
         init = getattr(model, "ballast_init_weights", None)
         if not callable(init):
             return None, "has no ballast_init_weights() method"
@@ -192,8 +191,8 @@ def _on_meta(section: Any) -> tuple[Any | None, str]:
                     m._buffers[name] = torch.empty_like(b, device="cpu")
         with torch.no_grad():
             init()
-    except Exception as exc:  # a constructor or init that needs real values: built on the CPU instead
-        return None, f"cannot be built on the meta device ({str(exc).splitlines()[0][:200]})"
+    except Exception as exc:  # an init that needs real values: built on the CPU instead
+        return None, f"cannot be initialized on the meta device ({str(exc).splitlines()[0][:200]})"
     return model.eval(), ""
 
 

@@ -23,6 +23,22 @@ def build_configured_model(section: Any) -> Any:
     return registry.build(section.name, dict(section.options), dict(section.data))
 
 
+def build_on_meta(section: Any) -> tuple[Any | None, str]:
+    """The model of a model section built on the meta device (no memory allocated, no random draw), or
+    None and why it cannot be: its factory reads weights as it builds (`factory.meta_build = False`), or
+    building fails there (a constructor that needs a tensor's value). The whole build, on the CPU, then
+    says what is wrong, if anything."""
+    import torch
+
+    if getattr(registry.load_factory(section.name), "meta_build", True) is False:
+        return None, "reads weights as its factory builds it (meta_build = False)"
+    try:
+        with torch.device("meta"):
+            return build_configured_model(section), ""
+    except Exception as exc:
+        return None, f"cannot be built on the meta device ({str(exc).splitlines()[0][:200]})"
+
+
 def reset_layers(model: Any) -> None:
     """Every layer of `model` back to PyTorch's own initialization (`reset_parameters()`: linear and
     convolution layers, embeddings, norms with their running statistics), in place: what a built-in

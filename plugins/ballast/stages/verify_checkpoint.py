@@ -103,19 +103,11 @@ def describe(path: Path) -> CheckedCheckpoint:
     # The recorded model's parameters: tied weights (a language model's embedding and output layer), two
     # entries of the weights file, count once. Counted on the meta device (nothing allocated) where the
     # model builds there.
-    import torch
-
-    from ballast.training.models import registry
+    from ballast.training.models import build_on_meta
 
     section = recorded_section(path)
-    model = None
-    if getattr(registry.load_factory(section.name), "meta_build", True) is not False:
-        try:
-            with torch.device("meta"):
-                model = build_recorded(section)
-        except Exception:  # a constructor that needs real values: built on the CPU below
-            model = None
-    if model is None:
+    model = build_on_meta(section)[0]
+    if model is None:  # its factory reads weights, or its constructor needs values: built on the CPU
         model = build_recorded(section)
     n_params = int(sum(p.numel() for p in model.parameters()))
     return CheckedCheckpoint(path=str(path), step=state["step"], files=len(manifest["files"]), parameters=n_params)
