@@ -5,6 +5,7 @@ the test tiers (unit, integration, e2e), of which every test has exactly one."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,11 @@ os.environ.update({
 from helpers import make_ctx, run_chain, warm_cache_rest  # noqa: E402  (after the homes are set)
 
 TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_unconfigure(config):
+    """The session's homes go with it (~190 MB each run: the Airflow database, logs, runs' storage)."""
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a test without a tier must not silently vanish
