@@ -28,18 +28,26 @@ from ballast.training.parentdeath import die_with_parent, ignore_stop_signals, s
 
 
 class Spans(IterableDataset):
-    """Decoded spans of a rank's epoch; worker w of k decodes spans w, w+k, ... so that the
-    DataLoader, taking one item from each worker in turn, returns them in their planned order."""
+    """Decoded spans of a rank's epoch, from the position `where` holds; worker w of k decodes spans
+    w, w+k, ... so that the DataLoader, taking one item from each worker in turn, returns them in their
+    planned order. `where` is (epoch, start sample) in memory shared with the workers, which live for
+    the whole run (persistent) and read it each time the loader is iterated."""
 
-    def __init__(self, data_dir: Path, fmt: str, blocks: list[Block], spans: SpanList, decoder: BlockDecoder,
-                 wait_seconds: float):
-        self.args = (Path(data_dir), fmt, blocks, spans, decoder, wait_seconds)
+    def __init__(self, data_dir: Path, fmt: str, blocks: list[Block], plan: tuple[int, int, int],
+                 decoder: BlockDecoder, wait_seconds: float, where: Any):
+        self.args = (Path(data_dir), fmt, blocks, plan, decoder, wait_seconds)
+        self.where = where
+
+    def spans(self) -> SpanList:
+        _, _, blocks, (seed, rank, world), _, _ = self.args
+        epoch, start = self.where[0], self.where[1]
+        return skip_samples(rank_spans(blocks, seed=seed, epoch=epoch, rank=rank, world=world), start)
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        data_dir, fmt, blocks, spans, decoder, wait = self.args
+        data_dir, fmt, blocks, _, decoder, wait = self.args
         info = get_worker_info()
         wid, k = (info.id, info.num_workers) if info else (0, 1)
-        for b, rows in spans[wid::k]:
+        for b, rows in self.spans()[wid::k]:
             x, y = read_block(data_dir, blocks[b], fmt, decoder, wait)
             take = partial(_take, rows=rows)
             yield _map(x, take), (None if y is None else take(y))
@@ -129,6 +137,8 @@ class EpochLoader:
         if workers:
             import_readers(fmt, self.decoder.codecs)
         self.samples_per_rank = sum(b.rows for b in self.blocks) // world
+        self._loader: DataLoader | None = None
+        self._where: Any = None
 
     def spans(self, epoch: int) -> SpanList:
         return rank_spans(self.blocks, seed=self.seed, epoch=epoch, rank=self.rank, world=self.world)
@@ -137,24 +147,8 @@ class EpochLoader:
         """Full batches of `batch` samples from sample position `start` of this rank's epoch: (inputs,
         target), inputs a tensor (one feature) or a dict of tensors by name, target a tensor or None
         when the dataset has no label."""
-        spans = skip_samples(self.spans(epoch), start)
-        dataset = Spans(self.data_dir, self.fmt, self.blocks, spans, self.decoder, self.wait_seconds)
-        workers = min(self.workers, len(spans))
-        # Its own generator: creating the loader must not draw from torch's global RNG, or a run resumed
-        # mid-epoch (loader created at the resume point) would see other dropout masks than the original.
-        # Workers forked from this rank (Linux's default, stated because python -m ballast.training.torchrun starts
-        # ranks from a forkserver, whose context they would otherwise inherit): forked, they start with
-        # the readers imported, and as the rank's own children they notice when it dies and exit. Started
-        # by the forkserver, they outlived a killed rank and held torchrun's output open. A forked worker
-        # drops its copies of the rank's network sockets first: holding them, it kept a SIGKILLed rank's
-        # gloo connections open until it noticed the death (5 s), and the other ranks waited that long.
-        # It also ends the moment the rank does, and ignores the group's SIGTERM (_init_forked_worker).
-        context = "fork" if sys.platform == "linux" and workers else None
-        init = partial(_init_forked_worker, os.getpid()) if context == "fork" else None
-        loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                            prefetch_factor=self.prefetch if workers else None, multiprocessing_context=context,
-                            worker_init_fn=init,
-                            generator=torch.Generator().manual_seed(self.seed + epoch))
+        loader = self._make_loader() if self._loader is None else self._loader
+        self._where[0], self._where[1] = epoch, start  # what the workers read as this iteration begins
         first = self.decoder.features[0].name if len(self.decoder.features) > 1 else None
         xs, ys, have = [], [], 0
         for x, y in _start(loader):
@@ -167,3 +161,59 @@ class EpochLoader:
                 yield _map(xcat, lambda t: t[:batch]), (None if ycat is None else ycat[:batch])
                 xs, ys = [_map(xcat, lambda t: t[batch:])], [None if ycat is None else ycat[batch:]]
                 have -= batch
+
+    def _make_loader(self) -> DataLoader:
+        """The rank's one DataLoader, its workers forked at its first iteration and kept for the run
+        (persistent): an epoch, a resume or a rollback iterates it again from the position set in
+        `_where`, without forking. Forking a worker while another thread of the rank holds a lock (the
+        checkpoint writer's, in the serialiser, the allocator or an import) leaves that lock held in the
+        worker for good, and the rank waits for its batches; forked at every epoch's start, right after
+        the epoch's asynchronous save began, a worker met that in CI twice (the second time with `GATE`
+        around the serialiser). Forked once, at the start of training, no save is in flight (and `GATE`
+        still guards that fork)."""
+        import multiprocessing
+        from multiprocessing.util import Finalize
+
+        workers = self.workers
+        # Workers forked from this rank (Linux's default, stated because python -m ballast.training.torchrun
+        # starts ranks from a forkserver, whose context they would otherwise inherit): forked, they start
+        # with the readers imported, and as the rank's own children they notice when it dies and exit.
+        # Started by the forkserver, they outlived a killed rank and held torchrun's output open. A forked
+        # worker drops its copies of the rank's network sockets first: holding them, it kept a SIGKILLed
+        # rank's gloo connections open until it noticed the death (5 s), and the other ranks waited that
+        # long. It also ends the moment the rank does, and ignores the group's SIGTERM (_init_forked_worker).
+        context = "fork" if sys.platform == "linux" and workers else None
+        # (epoch, start) in shared memory (inherited by the forked workers); plain values without workers.
+        self._where = multiprocessing.get_context("fork").RawArray("q", 2) if context else [0, 0]
+        dataset = Spans(self.data_dir, self.fmt, self.blocks, (self.seed, self.rank, self.world), self.decoder,
+                        self.wait_seconds, self._where)
+        init = partial(_init_forked_worker, os.getpid()) if context == "fork" else None
+        # Its own generator: creating the loader must not draw from torch's global RNG, or a run resumed
+        # mid-epoch (loader created at the resume point) would see other dropout masks than the original.
+        self._loader = DataLoader(dataset, batch_size=None, num_workers=workers,
+                                  prefetch_factor=self.prefetch if workers else None,
+                                  multiprocessing_context=context, worker_init_fn=init,
+                                  persistent_workers=bool(workers), generator=torch.Generator().manual_seed(self.seed))
+        if workers:
+            # Run by multiprocessing's exit handler (a rank's too: a rank is a multiprocessing child, which
+            # runs no atexit handlers) before it terminates and joins the children.
+            Finalize(self, EpochLoader.close, args=(self,), exitpriority=10)
+        return self._loader
+
+    def close(self) -> None:
+        """End the workers (they live until the loader ends, and ignore SIGTERM: multiprocessing's exit
+        handler, which terminates and joins them, would wait for them for good)."""
+        it = getattr(self._loader, "_iterator", None)
+        self._loader = None
+        if it is None:
+            return
+        it._shutdown_workers()  # DataLoader's own: an end-of-work message to each, then join (not at exit)
+        if it._worker_pids_set:  # at exit it did nothing: forget them (torch's SIGCHLD check), then end them
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+        for w in it._workers:  # they hold nothing to save
+            if w.is_alive():
+                w.kill()
+            w.join(timeout=10)
