@@ -27,6 +27,11 @@ from ballast.stages import warm_cache
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "dags" / "specs" / "digits.yaml"
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
+# For a LocalStack whose runs a test triggers. No cron runs: unpausing the example DAG would otherwise
+# create its latest scheduled run (catchup off still runs the last interval), a whole 30-epoch run the
+# test's own runs queue behind (max_active_runs=1). A task checks its heartbeat every second, so a run
+# marked failed reaches its task within a second rather than five.
+STACK_TEST_ENV = {"AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False", "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1"}
 
 Edit = Callable[[dict], Any]
 

@@ -14,7 +14,7 @@ from urllib.parse import quote
 import pytest
 from ballast.pipeline.context import RunContext
 from ballast.spec import load_spec
-from helpers import EXAMPLE_SPEC
+from helpers import EXAMPLE_SPEC, STACK_TEST_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +66,7 @@ def _free_port() -> int:
 def test_trigger_through_rest_api_with_changed_parameter(airflow_db, digits_raw, tmp_path):
     from ballast.dev.stack import LocalStack
 
-    with LocalStack(_free_port(), log_dir=tmp_path / "logs") as stack:
+    with LocalStack(_free_port(), log_dir=tmp_path / "logs", extra_env=STACK_TEST_ENV, migrate=False) as stack:
         dag = stack.wait_for_dag("ballast_digits", timeout=180)
         assert dag["is_paused"] in (True, False)
         # Out of the Param's bounds: refused before any run exists.
@@ -77,6 +77,7 @@ def test_trigger_through_rest_api_with_changed_parameter(airflow_db, digits_raw,
         # An unknown name (a typo for learning_rate): Airflow's Params accept extra conf keys, so the run's
         # first task refuses it within seconds, without a retry, naming the closest parameter.
         typo = stack.trigger("ballast_digits", {"lr": 0.1})
+        run = stack.trigger("ballast_digits", {"epochs": 3, "learning_rate": 0.005})  # queued behind the typo's
         failed = stack.wait_for_run("ballast_digits", typo["dag_run_id"], timeout=300)
         assert failed["state"] == "failed"
         tis = stack.task_instances("ballast_digits", typo["dag_run_id"])
@@ -84,7 +85,6 @@ def test_trigger_through_rest_api_with_changed_parameter(airflow_db, digits_raw,
         assert tis["convert"]["state"] != "success"
         log = stack.task_log("ballast_digits", typo["dag_run_id"], "validate", 1)
         assert "unknown parameter(s) lr" in log and "closest: lr -> learning_rate?" in log, log[-3000:]
-        run = stack.trigger("ballast_digits", {"epochs": 3, "learning_rate": 0.005})
         done = stack.wait_for_run("ballast_digits", run["dag_run_id"], timeout=600)
         logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "logs").glob("*.log"))
         assert done["state"] == "success", logs
@@ -114,7 +114,7 @@ def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_traine
     from ballast.launch.process import group_members, read_lease
 
     spec = load_spec(EXAMPLE_SPEC)
-    with LocalStack(_free_port(), log_dir=tmp_path / "logs") as stack:
+    with LocalStack(_free_port(), log_dir=tmp_path / "logs", extra_env=STACK_TEST_ENV, migrate=False) as stack:
         stack.wait_for_dag("ballast_digits", timeout=180)
         run = stack.trigger("ballast_digits", {"epochs": 400, "patience": 1000})  # minutes of training
         ctx = RunContext(spec=spec, dag_id=spec.dag_id, run_id=run["dag_run_id"])

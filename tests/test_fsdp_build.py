@@ -17,10 +17,10 @@ import pytest
 pytestmark = pytest.mark.integration
 
 WORKER = textwrap.dedent('''
-    import json, resource, sys
+    import gc, json, sys
     import torch
     import torch.distributed as dist
-    from ballast.training import fsdp
+    from ballast.training import fsdp, hostmem
     from ballast.training.config.run import ModelConfig
     from ballast.training.models import build_configured_model
 
@@ -35,50 +35,61 @@ WORKER = textwrap.dedent('''
                                       activation_checkpointing=False, log=print)
         return fsdp.shard(build_configured_model(sec), precision="fp32", activation_checkpointing=False, log=print)
 
-    dist.init_process_group("gloo")
-    how, out = sys.argv[1], sys.argv[2]
-    build(section(64, 16, 1), how)  # the first build's imports and allocator arenas, before measuring
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    before = peak()
-    model = build(section(150_000, 256, 2), how)  # ~160 MB of fp32 parameters
-    added = peak() - before
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    embed = model.embed.weight.full_tensor()
-    proj = model.blocks[0].attn.proj.weight.full_tensor()
-    norm = model.norm.weight.full_tensor()
-    tokens = torch.randint(0, 150_000, (2, 16), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(3):
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    if dist.get_rank() == 0:
+    def status(key):  # bytes, from /proc/self/status
+        line = next(ln for ln in open("/proc/self/status") if ln.startswith(key + ":"))
+        return int(line.split()[1]) * 1024
+
+    def measure(how, steps):
+        gc.collect()
+        open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from the current RSS
+        before = status("VmRSS")
+        model = build(section(150_000, 256, 2), how)  # ~160 MB of fp32 parameters
+        got = {"added": status("VmHWM") - before,
+               "whole": sum(p.numel() * p.element_size() for p in model.parameters()),
+               "local": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
+        embed = model.embed.weight.full_tensor()
+        proj = model.blocks[0].attn.proj.weight.full_tensor()
+        norm = model.norm.weight.full_tensor()
         half = embed.shape[0] // 2
-        json.dump({"added": added, "whole": whole, "local": local, "embed_std": embed.std().item(),
-                   "halves_differ": not torch.equal(embed[:half], embed[half:2 * half]),
-                   "proj_std": proj.std().item(), "norm_ones": bool((norm == 1).all()),
-                   "losses": losses}, open(out, "w"))
+        got.update(embed_std=embed.std().item(), halves_differ=not torch.equal(embed[:half], embed[half:2 * half]),
+                   proj_std=proj.std().item(), norm_ones=bool((norm == 1).all()))
+        tokens = torch.randint(0, 150_000, (2, 16), generator=torch.Generator().manual_seed(0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        got["losses"] = []
+        for _ in range(steps):
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got["losses"].append(loss.item())
+        return got
+
+    hostmem.return_freed_memory()  # large blocks mapped and unmapped: the first build's memory is not reused
+    dist.init_process_group("gloo")
+    out = sys.argv[1]
+    build(section(64, 16, 1), "meta")  # the first build's imports and allocator arenas, before measuring
+    build(section(64, 16, 1), "whole")
+    got = {"meta": measure("meta", steps=3), "whole": measure("whole", steps=1)}
+    if dist.get_rank() == 0:
+        json.dump(got, open(out, "w"))
     dist.destroy_process_group()
 ''')
 
 
-def _build(tmp: Path, how: str) -> dict:
+def _build(tmp: Path) -> dict:
     script = tmp / "build_worker.py"
     script.write_text(WORKER)
-    out = tmp / f"{how}.json"
+    out = tmp / "builds.json"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script), how, str(out)], capture_output=True, text=True, timeout=300, check=False)
+                          str(script), str(out)], capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "DTensor random operators" not in run.stderr  # the per-rank seeding is deliberate: no warning
     return json.loads(out.read_text())
 
 
 def test_each_rank_adds_only_its_own_shards_while_the_model_is_built_and_the_model_trains(tmp_path):
-    meta, whole = _build(tmp_path, "meta"), _build(tmp_path, "whole")
+    got = _build(tmp_path)
+    meta, whole = got["meta"], got["whole"]
     for r in (meta, whole):
         assert r["local"] == r["whole"] // 2  # two ranks, each holding half of every parameter
     # The meta-device build: what the rank keeps (its half) plus little. The whole build, for contrast:

@@ -103,7 +103,7 @@ def test_prometheus_finds_the_ranks_and_the_loss_spike_alert_fires(airflow_db, d
     def edit(d):
         d["dataset"]["location"] = str(digits_raw)
         d["training"].update(epochs=400, checkpoint={"every_steps": 50, "keep_last": 2}, monitors={"spike_window": 20},
-                             rehearsal={"faults": [{"kind": "spike", "step": 35}], "max_seconds": 25})
+                             rehearsal={"faults": [{"kind": "spike", "step": 35}], "max_seconds": 12})
         d["evaluation"].update(threshold=None, patience=1000)
         d["recovery"] = {"retry_delay_seconds": 0}
         d["schedule"] = {}

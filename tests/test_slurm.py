@@ -19,6 +19,7 @@ from ballast.launch import Launch
 from ballast.launch.slurm import script as slurm_script, status as slurm_status
 from ballast.errors import Cancelled, ConfigError
 from ballast.recovery import history
+from ballast.training.outputs import read_heartbeat
 from helpers import example_data, make_ctx, run_chain, run_spec_dag
 from slurm_cluster import SlurmCluster, available, running_cluster
 
@@ -267,22 +268,22 @@ def test_a_preempted_job_checkpoints_and_the_next_try_asks_for_the_on_demand_par
         _fast(d, on_demand_after_preemptions=1)
         d["training"].update(epochs=400)  # longer than the test: each try ends at max_seconds or preempted
         d["evaluation"].update(patience=1000)
-        d["training"]["rehearsal"] = {"max_seconds": 20}
+        d["training"]["rehearsal"] = {"max_seconds": 14}
         on_slurm(d)
 
     done = threading.Event()
 
     def preempt():
-        # Once try 1's job is running and its trainers beat (they step), take all nodes.
+        # Once try 1's job is running and its trainers have taken a few steps, take all nodes.
         deadline = time.monotonic() + 240
+        runs = Path(os.environ["BALLAST_HOME"]) / "storage" / "runs" / "ballast_slurm_preempt"
         while time.monotonic() < deadline and not done.is_set():
-            runs = Path(os.environ["BALLAST_HOME"]) / "storage" / "runs" / "ballast_slurm_preempt"
-            if any(j.endswith("RUNNING") for j in cluster.jobs()) and list(runs.glob("*/train/heartbeat")):
-                time.sleep(2)  # training is stepping: a few more steps
-                sp.run(["sbatch", "-p", "ondemand", "-N3", "--exclusive", "-J", "preemptor", "--wrap", "sleep 5"],
+            beats = [read_heartbeat(p.parent) for p in runs.glob("*/train/heartbeat")]
+            if any(b and b.step >= 3 for b in beats) and any(j.endswith("RUNNING") for j in cluster.jobs()):
+                sp.run(["sbatch", "-p", "ondemand", "-N3", "--exclusive", "-J", "preemptor", "--wrap", "sleep 1"],
                        capture_output=True, text=True, env=cluster.env)
                 return
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     t = threading.Thread(target=preempt, daemon=True)
     t.start()
@@ -310,10 +311,12 @@ def test_a_preempted_job_checkpoints_and_the_next_try_asks_for_the_on_demand_par
 def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(cluster, airflow_db, digits_raw,
                                                                                tmp_path):
     """A two-minute job whose training stalls at step 25 (a hang fault in try 1, the watchdogs set past
-    the limit): Slurm's `--signal=TERM@10` reaches the trainers before the time limit (up to 60 s
-    early, Slurm says: its timer's resolution; two minutes keep it after step 25 on a slow machine),
-    their grace runs out with no step to checkpoint at, and they leave a `preempted` record: the job
-    ends inside its limit. The next try resumes from the last committed checkpoint and finishes."""
+    the limit): Slurm's `--signal=TERM@10` reaches the trainers before the time limit (up to 30 s
+    early, Slurm says: its timer checks limits every 30 s), their grace runs out with no step to
+    checkpoint at, and they leave a `preempted` record: the job ends inside its limit. The next try
+    resumes from the last committed checkpoint and finishes. Once the stall has begun, the test brings
+    the job's end to 45 s away (`scontrol update EndTime`, which Slurm allows a user on a running job,
+    shortening only): the same limit, checked by the same timer, a minute less of waiting."""
     import subprocess as sp
 
     faults = [{"kind": "hang", "step": 25, "on_try": 1}]
@@ -324,8 +327,34 @@ def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(
         on_slurm(d, time_limit_minutes=2)
         d["execution"]["hang_timeout_seconds"] = 600  # neither watchdog: the time limit ends try 1
 
+    done, moved = threading.Event(), {}
+
+    def shorten():
+        runs = Path(os.environ["BALLAST_HOME"]) / "storage" / "runs" / "ballast_slurm_timelimit"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not done.is_set():
+            if list(runs.glob("*/train/.fault-hang-*-try1-rank0.fired")):  # written as the stall begins
+                queue = sp.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, env=cluster.env)
+                job = next((ln.split()[0] for ln in queue.stdout.splitlines() if ln.endswith("-t1")), None)
+                if job:
+                    show = sp.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
+                                  env=cluster.env).stdout
+                    moved["limit"] = slurm_status.parse_show_job(show.strip())["TimeLimit"]
+                    moved["update"] = sp.run(["scontrol", "update", f"JobId={job}", "EndTime=now+45"],
+                                             capture_output=True, text=True, env=cluster.env)
+                    return
+            time.sleep(0.5)
+
+    t = threading.Thread(target=shorten, daemon=True)
+    t.start()
     started = time.monotonic()
-    dr, ctx = run_spec_dag(tmp_path, edit, conf={"rehearsal": True}, name="slurm_timelimit")
+    try:
+        dr, ctx = run_spec_dag(tmp_path, edit, conf={"rehearsal": True}, name="slurm_timelimit")
+    finally:
+        done.set()
+        t.join(timeout=10)
+    assert moved.get("limit") == "00:02:00", moved  # the spec's limit, as sbatch gave it
+    assert moved["update"].returncode == 0, moved["update"].stderr
     assert str(dr.state) == "success"
     tries = history.load(ctx, "train").attempts
     assert [(a.outcome, a.failure_class) for a in tries] == [("failed", "preempted"), ("success", None)], tries
@@ -334,7 +363,6 @@ def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(
     fields = [slurm_status.parse_show_job(line) for line in jobs.splitlines()]
     t1 = next(f for f in fields if f.get("JobName", "").startswith("ballast-slurm-timelimit") and
               f["JobName"].endswith("-t1"))
-    assert t1["TimeLimit"] == "00:02:00", t1
     # Ended inside the limit by the trainers' preempted exit (75; 143 where srun reports the notice's
     # SIGTERM), not by Slurm at it (TIMEOUT).
     assert t1["JobState"] == "FAILED" and t1["ExitCode"] in ("75:0", "143:0"), t1
@@ -342,7 +370,7 @@ def test_a_job_at_its_time_limit_gets_the_notice_first_and_the_next_try_resumes(
     # The notice came first: at the limit itself Slurm's SIGTERM is followed by SIGKILL after KillWait
     # (5 s), before a 10 s grace could run out and write this record.
     assert "grace period of 10s expired" in tries[0].reason, tries[0]
-    assert time.monotonic() - started < 450
+    assert time.monotonic() - started < 360
     assert cluster.jobs() == [] and cluster.leftovers() == []
 
 

@@ -231,8 +231,10 @@ def test_conversion_memory_does_not_grow_with_the_corpus(tmp_path):
         data = example_data()
         text_edit(raw.parent, rules=[], seq_len=64)(data)
         data["storage"]["uri"] = str(tmp_path / f"storage{times}")
-        data["conversion"].update(shard_rows=256, read_batch_rows=512)
-        ctx = make_ctx(tmp_path, raw, lambda d, data=data: d.update(data))
+        data["conversion"].update(shard_rows=2048, read_batch_rows=512)  # what the measured convert reads with
+        # Validation (not measured here) in large batches: one GX run per 64Ki documents, not per 512.
+        ctx = make_ctx(tmp_path, raw, lambda d, data=data: (d.update(json.loads(json.dumps(data))),
+                                                            d["conversion"].update(read_batch_rows=65536)))
         run_chain(ctx, validate)
         proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, json.dumps(data), ctx.dag_id, ctx.run_id],
                               capture_output=True, text=True, timeout=600, env=os.environ.copy())

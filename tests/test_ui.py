@@ -290,7 +290,7 @@ def test_the_stability_view_inside_the_airflow_ui(airflow_db, digits_raw, tmp_pa
     users = {"viewer": ("viewer", "viewer-pw"), "admin": ("admin", "admin-pw")}
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    with LocalStack(port, log_dir=tmp_path / "logs", extra_env=env, users=users) as stack:
+    with LocalStack(port, log_dir=tmp_path / "logs", extra_env=env, users=users, migrate=False) as stack:
         base = stack.base
         plugins = stack.request("GET", "/api/v2/plugins")["plugins"]
         ours = next(p for p in plugins if p["name"] == "ballast")
