@@ -48,7 +48,7 @@ def main() -> None:
         steps = data.samples_per_rank // per_step
         t0 = time.monotonic()
         # The same window as the trainer's: `steps` full batches, the clock stopped before the loader's
-        # leftover rows and its workers' shutdown (held off by keeping `batches` alive until then).
+        # leftover rows (its workers persist across epochs, as the trainer's do).
         batches = data.batches(epoch, batch=per_step)
         for _, (x, y) in zip(range(steps), batches):
             x, y = task.prepare(x, y)

@@ -70,13 +70,14 @@ def _cat(parts: list[Any]) -> Any:
     return torch.cat(parts)
 
 
-def _start(loader: DataLoader) -> Iterator[Any]:
-    """iter(loader), which forks the workers, with SIGTERM and SIGINT blocked on this thread meanwhile:
+def _start(loader: DataLoader, *, forks: bool) -> Iterator[Any]:
+    """iter(loader); where it forks the workers (`forks`: its first iteration), with SIGTERM and SIGINT
+    blocked on this thread meanwhile:
     a worker inherits the mask, so a group's signal arriving between its fork and its init function
     (in which it still had the rank's handlers, then torch's) waits there to be discarded. The rank
     itself still gets the signal, through another thread, or here once unblocked. Only for forked
     workers, whose init function unblocks them (a spawned worker would keep the mask for good)."""
-    if loader.worker_init_fn is None:
+    if loader.worker_init_fn is None or not forks:
         return iter(loader)
     # GATE: not while the checkpoint writer's thread is inside torch.save (training.forkgate)
     with stop_signals_blocked(), GATE:
@@ -139,6 +140,8 @@ class EpochLoader:
         self.samples_per_rank = sum(b.rows for b in self.blocks) // world
         self._loader: DataLoader | None = None
         self._where: Any = None
+        self._forked = False
+        self._finalizer: Any = None
 
     def spans(self, epoch: int) -> SpanList:
         return rank_spans(self.blocks, seed=self.seed, epoch=epoch, rank=self.rank, world=self.world)
@@ -146,12 +149,13 @@ class EpochLoader:
     def batches(self, epoch: int, *, batch: int, start: int = 0) -> Iterator[tuple[Any, Any]]:
         """Full batches of `batch` samples from sample position `start` of this rank's epoch: (inputs,
         target), inputs a tensor (one feature) or a dict of tensors by name, target a tensor or None
-        when the dataset has no label."""
+        when the dataset has no label. One generator at a time: a new one ends the last's iteration."""
         loader = self._make_loader() if self._loader is None else self._loader
         self._where[0], self._where[1] = epoch, start  # what the workers read as this iteration begins
         first = self.decoder.features[0].name if len(self.decoder.features) > 1 else None
         xs, ys, have = [], [], 0
-        for x, y in _start(loader):
+        forks, self._forked = not self._forked, True
+        for x, y in _start(loader, forks=forks):
             xs.append(x)
             ys.append(y)
             have += len(x[first] if first else x)
@@ -183,8 +187,8 @@ class EpochLoader:
         # rank's gloo connections open until it noticed the death (5 s), and the other ranks waited that
         # long. It also ends the moment the rank does, and ignores the group's SIGTERM (_init_forked_worker).
         context = "fork" if sys.platform == "linux" and workers else None
-        # (epoch, start) in shared memory (inherited by the forked workers); plain values without workers.
-        self._where = multiprocessing.get_context("fork").RawArray("q", 2) if context else [0, 0]
+        # (epoch, start) in shared memory, which the workers inherit; plain values without workers.
+        self._where = multiprocessing.get_context(context).RawArray("q", 2) if workers else [0, 0]
         dataset = Spans(self.data_dir, self.fmt, self.blocks, (self.seed, self.rank, self.world), self.decoder,
                         self.wait_seconds, self._where)
         init = partial(_init_forked_worker, os.getpid()) if context == "fork" else None
@@ -194,26 +198,37 @@ class EpochLoader:
                                   prefetch_factor=self.prefetch if workers else None,
                                   multiprocessing_context=context, worker_init_fn=init,
                                   persistent_workers=bool(workers), generator=torch.Generator().manual_seed(self.seed))
+        self._forked = False
         if workers:
-            # Run by multiprocessing's exit handler (a rank's too: a rank is a multiprocessing child, which
-            # runs no atexit handlers) before it terminates and joins the children.
-            Finalize(self, EpochLoader.close, args=(self,), exitpriority=10)
+            # When this loader is collected, at `close`, or at exit by multiprocessing's handler (a rank's
+            # too: a rank is a multiprocessing child, which runs no atexit handlers), before that handler
+            # terminates and joins the children; priority 20: before the queues' own finalizers (10), which
+            # stop their feeder threads.
+            self._finalizer = Finalize(self, _end_workers, args=(self._loader,), exitpriority=20)
         return self._loader
 
     def close(self) -> None:
-        """End the workers (they live until the loader ends, and ignore SIGTERM: multiprocessing's exit
-        handler, which terminates and joins them, would wait for them for good)."""
-        it = getattr(self._loader, "_iterator", None)
-        self._loader = None
-        if it is None:
-            return
-        it._shutdown_workers()  # DataLoader's own: an end-of-work message to each, then join (not at exit)
-        if it._worker_pids_set:  # at exit it did nothing: forget them (torch's SIGCHLD check), then end them
+        """End the workers now (they live as long as the loader otherwise)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._loader = self._finalizer = None
+
+
+def _end_workers(loader: DataLoader) -> None:
+    """SIGKILL a persistent loader's workers: they hold nothing to save, and ignore SIGTERM, with which
+    multiprocessing's exit handler would end them (then wait for them for good). Torch forgets their
+    pids first, or its SIGCHLD handler would report them killed."""
+    it = loader._iterator
+    if it is None:
+        return
+    try:
+        if it._worker_pids_set:
             from torch.utils.data._utils import signal_handling
 
             signal_handling._remove_worker_pids(id(it))
             it._worker_pids_set = False
-        for w in it._workers:  # they hold nothing to save
+    finally:
+        for w in it._workers:
             if w.is_alive():
                 w.kill()
             w.join(timeout=10)
