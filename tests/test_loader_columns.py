@@ -110,3 +110,36 @@ def test_pre_tokenized_ids_without_a_label_are_packed_and_read_as_they_are(tmp_p
         assert np.array_equal(got.features, want["train"]["ids"])
     x, y, _ = _collect(root, "petastorm", workers=2)
     assert y is None and x.dtype.is_floating_point is False and x.shape[1] == 33
+
+
+def test_the_workers_are_forked_once_and_every_iteration_reads_its_own_position(digits_cache):
+    """Persistent workers: the same processes serve every epoch, a resume position and an iteration
+    begun after one abandoned mid-way (as the trainer leaves each epoch's loader), with the batches the
+    in-process loader gives for each; `close` ends them. Forked at each epoch's start, a worker could
+    inherit a lock the checkpoint writer's thread held (see EpochLoader._make_loader)."""
+    import multiprocessing
+
+    import torch
+
+    from ballast.training.dataset.loader import EpochLoader
+
+    def take(loader, epoch, start, n):
+        out = []
+        for _, (x, y) in zip(range(n), loader.batches(epoch, batch=16, start=start)):
+            out.append((x, y))
+        return out
+
+    root, fmt = Path(digits_cache.cache_dir), digits_cache.format
+    plan = [(0, 0, 3), (0, 48, 100), (1, 0, 100), (2, 32, 2), (2, 0, 100)]  # (epoch, start, batches taken)
+    mine, baseline = EpochLoader(root, fmt=fmt, rank=1, world=2, seed=3, workers=2), \
+        EpochLoader(root, fmt=fmt, rank=1, world=2, seed=3, workers=0)
+    before = {p.pid for p in multiprocessing.active_children()}
+    pids = []
+    for epoch, start, n in plan:
+        got, want = take(mine, epoch, start, n), take(baseline, epoch, start, n)
+        assert len(got) == len(want) > 0, (epoch, start)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want)), (epoch, start)
+        pids.append({p.pid for p in multiprocessing.active_children()} - before)
+    assert len(pids[0]) == 2 and all(p == pids[0] for p in pids), pids  # the same two workers throughout
+    mine.close()
+    assert not {p.pid for p in multiprocessing.active_children()} - before
