@@ -171,10 +171,10 @@ class EpochLoader:
         (persistent): an epoch, a resume or a rollback iterates it again from the position set in
         `_where`, without forking. Forking a worker while another thread of the rank holds a lock (the
         checkpoint writer's, in the serialiser, the allocator or an import) leaves that lock held in the
-        worker for good, and the rank waits for its batches; forked at every epoch's start, right after
-        the epoch's asynchronous save began, a worker met that in CI twice (the second time with `GATE`
-        around the serialiser). Forked once, at the start of training, no save is in flight (and `GATE`
-        still guards that fork)."""
+        worker for good, and the rank waits for its batches. Forked at every epoch's start, right after
+        the epoch's asynchronous save began, ranks stood still there in CI twice (the second time with
+        `GATE` around the serialiser; no stacks, so the lock is not known). Forked once, at the start of
+        training, no save is in flight (and `GATE` still guards that fork)."""
         import multiprocessing
         from multiprocessing.util import Finalize
 

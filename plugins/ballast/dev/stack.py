@@ -86,11 +86,11 @@ class LocalStack:
 
     def _start(self, timeout: float) -> LocalStack:
         # In the stack's own environment: its database may not be this process's (PostgreSQL, say).
-        migrated = subprocess.run(self.airflow + ["db", "migrate"], env=self.env, capture_output=True, text=True) \
-            if self.migrate else None
-        if migrated and migrated.returncode != 0:
-            raise RuntimeError(f"airflow db migrate failed (exit {migrated.returncode}):"
-                               f" {(migrated.stdout + migrated.stderr)[-2000:]}")
+        if self.migrate:
+            migrated = subprocess.run(self.airflow + ["db", "migrate"], env=self.env, capture_output=True, text=True)
+            if migrated.returncode != 0:
+                raise RuntimeError(f"airflow db migrate failed (exit {migrated.returncode}):"
+                                   f" {(migrated.stdout + migrated.stderr)[-2000:]}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.commands = {"api-server": ["api-server", "--port", str(self.port), "--host", "127.0.0.1"],
                          "scheduler": ["scheduler"], "dag-processor": ["dag-processor"]}
