@@ -596,7 +596,7 @@ def test_quarantined_rows_several_times_the_memory_limit_are_written_a_batch_at_
     """Half the rows fail (a pixel of 255): their pixels, more than the quarantine may add to the process
     (an address-space limit set as it starts), go to the quarantine file a batch at a time. Before, every
     failing row was gathered into one table, then into one Parquet buffer: twice what the limit allows.
-    Large blocks are mapped and unmapped (MALLOC_MMAP_THRESHOLD_ of 1 MiB, fixed): with glibc's sliding
+    The readers fix glibc's mmap threshold (training.hostmem.return_freed_memory): with the sliding
     threshold, the heap kept the holes of each row group's 16 MiB decode buffer, and the quarantine's
     address space grew 40-140 MiB in repeated runs, twice past the 160 in CI; fixed, 50-53 MiB."""
     n, repeat, margin = 4096, 32, 160 << 20         # 16 x 4096 bad rows of 4 KiB = 256 MiB of failing pixels
@@ -616,7 +616,7 @@ def test_quarantined_rows_several_times_the_memory_limit_are_written_a_batch_at_
     write(tmp_path / "big", repeat)
     script = tmp_path / "child.py"
     script.write_text(QUARANTINE_CHILD)
-    env = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "OMP_NUM_THREADS": "1",
+    env = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1",
            "ARROW_DEFAULT_MEMORY_POOL": "system", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
            "BALLAST_HOME": str(tmp_path / "home")}
     proc = subprocess.run([sys.executable, str(script), str(_spec(tmp_path, "small", tmp_path / "small", 0.6)),

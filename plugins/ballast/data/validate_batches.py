@@ -80,7 +80,9 @@ def batches(paths: list[Path], dataset: DatasetSpec, *, columns: list[str] | Non
     (empty, with the spec's columns) when the files hold no rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from ballast.training.hostmem import return_freed_memory
 
+    return_freed_memory()  # each batch's decode buffers go back when freed, not into a growing heap
     columns = columns if columns is not None else [f.name for f in dataset.fields]
     offset, schema = 0, None
     for p in paths:
