@@ -311,5 +311,7 @@ def test_a_fresh_process_adds_a_fraction_of_the_model_where_reading_it_whole_add
         return int(run.stdout.split()[-1])
 
     whole, small = added(total), added(10 << 20)
-    assert 0.95 * total <= whole <= 1.3 * total, (whole, total)  # read whole: the weights once (assigned)
+    # Read whole: the weights once (assigned). Freed pages of the warm pass that the second load reuses are
+    # in `before` already: 0.99-1.03 of the weights on an idle machine, 0.89-1.03 with two busy cores.
+    assert 0.8 * total <= whole <= 1.3 * total, (whole, total)
     assert small <= 0.3 * total, (small / total, whole / total)
