@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, get_args
 
 from pydantic import ValidationError
@@ -69,8 +70,10 @@ class Injector:
                 return f
         return None
 
-    def fire(self, step: int) -> None:
-        """Fire the non-numeric faults due at this step (called before the step's forward pass)."""
+    def fire(self, step: int, *, settle: Callable[[], Any] | None = None) -> None:
+        """Fire the non-numeric faults due at this step (called before the step's forward pass). `settle`
+        waits for the checkpoint save in flight: a corrupt fault damages the newest committed checkpoint,
+        so which one that is must not depend on how far a background save had got."""
         fault = self.due(step)
         if fault is None or fault.kind in _LOSS_FAULTS:
             return
@@ -78,6 +81,8 @@ class Injector:
         if fault.kind == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "corrupt":
+            if settle is not None:
+                settle()
             self._corrupt_newest_checkpoint()
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "sigterm":

@@ -178,7 +178,7 @@ class Trainer:
                 stream_pos += 1
                 st.pos += 1
                 continue
-            self.faults.fire(st.step + 1)
+            self.faults.fire(st.step + 1, settle=self.checkpoints.wait)
             t0 = time.monotonic()
             xb, yb = next(stream)
             stream_pos += 1
