@@ -28,7 +28,8 @@ class ConversionSpec(Section):
     row_group_rows: int = Field(256, ge=1, le=1_000_000)
     """Rows per Parquet row group (the unit a Petastorm reader fetches)."""
     read_batch_rows: int = Field(4096, ge=1, le=1_000_000)
-    """Rows read from the raw input at a time: bounds the arrow engine's memory."""
+    """Rows read from the raw input at a time (fewer where rows are large: about 32 MiB decoded at a
+    time), and rows validated at a time: bounds the arrow engine's memory."""
 
     @field_validator("formats")
     @classmethod
