@@ -157,8 +157,11 @@ def free_port() -> int:
 
 
 def torchrun(cfg: Path, *extra: str) -> list[str]:
-    """The torchrun argv for the training module on `cfg`, with launcher arguments `extra`."""
-    return [sys.executable, "-m", "torch.distributed.run", *extra, "--module", "ballast.training", "--config", str(cfg)]
+    """The launcher's argv for the training module on `cfg`, with torchrun arguments `extra`: Ballast's
+    torchrun (training.torchrun), as every backend runs it, whose workers fork from a warm forkserver (a
+    plain torchrun's import torch again, and tear the interpreter down at the end: ~4 s more a launch)."""
+    return [sys.executable, "-m", "ballast.training.torchrun", *extra, "--module", "ballast.training",
+            "--config", str(cfg)]
 
 
 # --- a spec's DAG through Airflow (dag.test) ---------------------------------------------------------
