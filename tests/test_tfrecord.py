@@ -238,11 +238,12 @@ import sys
 import numpy as np
 
 exec(open(sys.argv[1]).read())  # the README's recipe: defines read_split
-columns = {}
-for record in read_split(sys.argv[2], "train"):
-    for name, value in record.items():
-        columns.setdefault(name, []).append(value.numpy())
-np.savez(sys.argv[3], **{name: np.stack(v) for name, v in columns.items()})
+for root, out in zip(sys.argv[2::2], sys.argv[3::2]):  # (dataset, npz) pairs: TensorFlow imported once
+    columns = {}
+    for record in read_split(root, "train"):
+        for name, value in record.items():
+            columns.setdefault(name, []).append(value.numpy())
+    np.savez(out, **{name: np.stack(v) for name, v in columns.items()})
 """
 
 
@@ -250,20 +251,21 @@ np.savez(sys.argv[3], **{name: np.stack(v) for name, v in columns.items()})
 def test_tensorflow_reads_the_shards_with_the_readme_recipe(tmp_path):
     recipe = tmp_path / "recipe.py"
     recipe.write_text(readme_recipe())
+    written, pairs = [], []
     for i, (dtype, shape, codec) in enumerate(CASES):
         root = tmp_path / f"case{i}"
         root.mkdir()
-        x, y = write_dataset(root, dtype, shape, codec)
-        out = tmp_path / f"case{i}.npz"
-        run_reader("tensorflow", TF_SCRIPT, str(recipe), str(root), str(out))
-        with np.load(out, allow_pickle=False) as got:
-            assert got["image"].dtype == x.dtype and got["image"].shape == x.shape, (dtype, shape, codec)
-            assert np.array_equal(got["image"], x), (dtype, shape, codec)
-            assert np.array_equal(got["label"], y)
+        written.append(write_dataset(root, dtype, shape, codec))
+        pairs += [str(root), str(tmp_path / f"case{i}.npz")]
     root = tmp_path / "mixed"
     root.mkdir()
     values = write_columns(root, MIXED)
-    run_reader("tensorflow", TF_SCRIPT, str(recipe), str(root), str(tmp_path / "mixed.npz"))
+    run_reader("tensorflow", TF_SCRIPT, str(recipe), *pairs, str(root), str(tmp_path / "mixed.npz"))
+    for i, ((dtype, shape, codec), (x, y)) in enumerate(zip(CASES, written, strict=True)):
+        with np.load(tmp_path / f"case{i}.npz", allow_pickle=False) as got:
+            assert got["image"].dtype == x.dtype and got["image"].shape == x.shape, (dtype, shape, codec)
+            assert np.array_equal(got["image"], x), (dtype, shape, codec)
+            assert np.array_equal(got["label"], y)
     with np.load(tmp_path / "mixed.npz", allow_pickle=False) as got:
         for name, want in values.items():
             column = got[name].astype(want.dtype) if name in ("flag", "count") else got[name]
