@@ -397,7 +397,7 @@ def _spec(tmp_path: Path, name: str, raw: Path, max_bad_fraction: float = 0.05) 
 
 def _write_sample(path: Path, n: int, repeat: int) -> None:
     """`repeat` copies of one sample of n uint8 64x64 images (random values 0-249, which Parquet cannot
-    shrink much), rows 3 and 41 bad: a pixel of 255 and a label of 42; written a copy at a time."""
+    shrink much), rows 3 and 41 bad: a pixel of 255 and a label of 42 (`_copies`)."""
     rng = np.random.default_rng(1)
     images = rng.integers(0, 250, size=(n, 64 * 64), dtype=np.uint8)
     images[3, 100] = 255
@@ -405,9 +405,15 @@ def _write_sample(path: Path, n: int, repeat: int) -> None:
     labels[41] = 42
     table = pa.table({"image": pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), 64 * 64)
                       .cast(pa.list_(pa.uint8())), "label": pa.array(labels)})
+    _copies(table, path, repeat)
+
+
+def _copies(table: pa.Table, path: Path, copies: int) -> None:
+    """`copies` Parquet files of `table` (1024-row groups) in a new folder `path`: one written, the others
+    copied (the same bytes, not encoded again)."""
     path.mkdir(parents=True)
     pq.write_table(table, path / "part-000.parquet", row_group_size=1024)
-    for k in range(1, repeat):  # the same bytes: copied, not encoded again
+    for k in range(1, copies):
         shutil.copyfile(path / "part-000.parquet", path / f"part-{k:03d}.parquet")
 
 
@@ -624,10 +630,7 @@ def test_quarantined_rows_several_times_the_memory_limit_are_written_a_batch_at_
         images[::2, 7] = 255
         table = pa.table({"image": pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), 64 * 64)
                           .cast(pa.list_(pa.uint8())), "label": pa.array(rng.integers(0, 10, size=n))})
-        path.mkdir(parents=True)
-        pq.write_table(table, path / "part-000.parquet", row_group_size=1024)
-        for k in range(1, copies):  # the same bytes: copied, not encoded again
-            shutil.copyfile(path / "part-000.parquet", path / f"part-{k:03d}.parquet")
+        _copies(table, path, copies)
 
     write(tmp_path / "small", 1)
     write(tmp_path / "big", repeat)

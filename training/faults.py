@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_args
 
 from pydantic import ValidationError

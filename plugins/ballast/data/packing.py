@@ -131,6 +131,7 @@ def read_chunk(chunk: Chunk, dataset: DatasetSpec, batch_rows: int, drop: Any = 
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     from ballast.training.hostmem import return_freed_memory
 
     return_freed_memory()  # each batch's decode buffers go back when freed (training.hostmem)

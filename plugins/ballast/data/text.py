@@ -158,6 +158,7 @@ def text_slices(chunk: Any, column: str, batch_rows: int, drop: Any) -> Iterator
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
+
     from ballast.training.hostmem import return_freed_memory
 
     return_freed_memory()  # each batch's decode buffers go back when freed (training.hostmem)

@@ -80,6 +80,7 @@ def batches(paths: list[Path], dataset: DatasetSpec, *, columns: list[str] | Non
     (empty, with the spec's columns) when the files hold no rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     from ballast.training.hostmem import return_freed_memory
 
     return_freed_memory()  # each batch's decode buffers go back when freed, not into a growing heap
@@ -117,14 +118,14 @@ def frames(paths: list[Path], dataset: DatasetSpec, *, max_rows: int = BATCH_ROW
     for offset, table in batches(paths, dataset, max_rows=max_rows, max_bytes=max_bytes):
         frame, _ = check_frame(table, dataset)
         if pending and held + len(frame) > max_rows:
-            yield start, pending[0] if len(pending) == 1 else pd.concat(pending, ignore_index=True)
+            yield start, pd.concat(pending, ignore_index=True)
             pending, held = [], 0
         if not pending:
             start = offset
         pending.append(frame)
         held += len(frame)
     if pending:
-        yield start, pending[0] if len(pending) == 1 else pd.concat(pending, ignore_index=True)
+        yield start, pd.concat(pending, ignore_index=True)
 
 
 def rows_at(paths: list[Path], dataset: DatasetSpec, rows: Any, *, max_rows: int = BATCH_ROWS,
