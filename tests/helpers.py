@@ -6,13 +6,16 @@ first), so nothing here may be imported outside a pytest session that loaded it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import json
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -166,6 +169,30 @@ def torchrun(cfg: Path, *extra: str) -> list[str]:
 
 # --- a spec's DAG through Airflow (dag.test) ---------------------------------------------------------
 
+@contextlib.contextmanager
+def quick_dag_test_loop(seconds: float = 0.05) -> Iterator[None]:
+    """dag.test()'s scheduling loop waits `seconds`, not 1 s, after a pass that found no task to run.
+
+    That loop moves a skip or an upstream failure one level down the DAG per pass and sleeps a second
+    after each: a run whose training stops early, or whose first stage fails, waited a second per level
+    below it (5 of a 23 s test). Only a sleep called from DAG.test itself is shortened; the tasks, which
+    run in this process, sleep as they ask."""
+    import time
+
+    from airflow.sdk.definitions.dag import DAG
+
+    loop, real = inspect.unwrap(DAG.test).__code__, time.sleep
+
+    def sleep(s: float) -> None:
+        real(min(s, seconds) if sys._getframe(1).f_code is loop else s)
+
+    time.sleep = sleep
+    try:
+        yield
+    finally:
+        time.sleep = real
+
+
 def run_spec_dag(tmp_path: Path, edit: Edit, *, conf: dict | None = None, name: str = "recovery"):
     """The example spec, renamed `name` and changed by `edit(d)`, rendered into its DAG in a DAGs folder
     of its own and run with dag.test(): (the DAG run, a RunContext of that run)."""
@@ -185,7 +212,8 @@ def run_spec_dag(tmp_path: Path, edit: Edit, *, conf: dict | None = None, name: 
     DagBundlesManager().sync_bundles_to_db()
     sync_bag_to_db(bag, bundle_name="dags-folder", bundle_version=None)
     dag = bag.dags[f"ballast_{name}"]
-    dr = dag.test(run_conf=conf or {})
+    with quick_dag_test_loop():
+        dr = dag.test(run_conf=conf or {})
     from ballast.spec import load_spec
 
     return dr, RunContext(spec=load_spec(spec_path), dag_id=dag.dag_id, run_id=dr.run_id)
