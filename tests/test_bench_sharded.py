@@ -62,6 +62,13 @@ def test_the_targets_take_the_worst_rank_and_the_medians_of_the_slowest_rank():
     assert t["load_vs_dcp"]["resume_gate_seconds_median"] == 0.6 and out["resume_gate_passed_newest"]
     assert t["load_vs_dcp"]["with_resume_gate"] == round(1.0 / (1.1 + 0.6), 4)
     assert out["state_bytes"] == 200 * MiB and out["state_bytes_per_rank"] == 100 * MiB
+    assert "resolved" not in t["async_time_lost"]
+    # A sync save whose loss the stretches' spread hides (0.1 s measured, 0.9 s blocked): no measurement,
+    # so not met, whatever the ratio of the two noises.
+    quiet = [{**r, "stretch_seconds": {**r["stretch_seconds"], "sync": [x + 0.1 for x in r["stretch_seconds"]["none"]],
+                                        "async": list(r["stretch_seconds"]["none"])}} for r in ranks]
+    lost = bench._report(quiet, OPTS, world=2, device="cpu", small=True, seconds=1.0)["targets"]["async_time_lost"]
+    assert lost["value"] == 0.0 and not lost["met"] and lost["resolved"] is False and "0.90 s" in lost["why"]
     # A slower async stretch than the sync one is a miss, not a negative figure turned into a pass.
     ranks[1]["stretch_seconds"]["async"] = [15.0, 15.0, 15.0]
     assert not bench._report(ranks, OPTS, world=2, device="cpu", small=True, seconds=1.0)["targets"][
