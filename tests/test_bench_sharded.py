@@ -65,8 +65,9 @@ def test_the_targets_take_the_worst_rank_and_the_medians_of_the_slowest_rank():
     assert "resolved" not in t["async_time_lost"]
     # A sync save whose loss the stretches' spread hides (0.1 s measured, 0.9 s blocked): no measurement,
     # so not met, whatever the ratio of the two noises.
-    quiet = [{**r, "stretch_seconds": {**r["stretch_seconds"], "sync": [x + 0.1 for x in r["stretch_seconds"]["none"]],
-                                        "async": list(r["stretch_seconds"]["none"])}} for r in ranks]
+    quiet = [{**r, "stretch_seconds": {"none": r["stretch_seconds"]["none"],
+                                        "sync": [x + 0.1 for x in r["stretch_seconds"]["none"]],
+                                        "async": r["stretch_seconds"]["none"]}} for r in ranks]
     lost = bench._report(quiet, OPTS, world=2, device="cpu", small=True, seconds=1.0)["targets"]["async_time_lost"]
     assert lost["value"] == 0.0 and not lost["met"] and lost["resolved"] is False and "0.90 s" in lost["why"]
     # A slower async stretch than the sync one is a miss, not a negative figure turned into a pass.
