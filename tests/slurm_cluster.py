@@ -80,6 +80,10 @@ class SlurmCluster:
         os.chmod(b / "munge", 0o755)
         ctld, slurmd, *node_ports = _free_ports(2 + len(NODES))
         cores = max(2, os.cpu_count() or 2)
+        # Job IDs from a range of this test process's own: a job's rendezvous port is derived from its ID
+        # (launch/slurm/script.py), and under pytest-xdist two workers' clusters can run side by side.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        first_job = 1 + 1000 * (int(worker) % 10 if worker.isdigit() else 0)
         lines = [
             "ClusterName=ballasttest", "SlurmctldHost=localhost", "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", f"AuthInfo=socket={b / 'munge/munge.sock'}", "CredType=cred/munge",
@@ -95,7 +99,7 @@ class SlurmCluster:
             "JobAcctGatherType=jobacct_gather/linux", "JobAcctGatherFrequency=task=1",
             "JobAcctGatherParams=OverMemoryKill", "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none", "MinJobAge=600", "KillWait=5", "UnkillableStepTimeout=30",
-            "SlurmdTimeout=10", "SlurmctldTimeout=10", "InactiveLimit=0", "Waittime=0",
+            "SlurmdTimeout=10", "SlurmctldTimeout=10", "InactiveLimit=0", "Waittime=0", f"FirstJobId={first_job}",
         ]
         for name, port in zip(NODES, node_ports):
             lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} Sockets=1"

@@ -90,9 +90,12 @@ def test_the_command_line_runs_it_by_name(monkeypatch):
 
 
 @pytest.mark.integration
-def test_the_small_bench_reports_every_target_and_leaves_no_rank_running():
+@pytest.mark.alone  # the training loop's speed during a save, against without: both measured
+def test_the_small_bench_reports_every_target_and_leaves_no_rank_running(tmp_path, monkeypatch):
     import multiprocessing
 
+    # The writers keep TMPDIR of their ranks' environment: this run's mark (another pytest-xdist worker's aside).
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     out = bench.bench_sharded_checkpoint(small=True, timeout=120)
     assert set(out["targets"]) == {"save_added_memory", "async_time_lost", "save_vs_dcp", "load_vs_dcp"}
     for name, entry in out["targets"].items():
@@ -118,23 +121,25 @@ def test_the_small_bench_reports_every_target_and_leaves_no_rank_running():
     assert out["writer"] == "process"
     loop = out["training_loop_during_save"]
     assert all(0 < loop[mode]["speed_ratio"] < 2 and loop[mode]["save_seconds_median"] > 0 for mode in ("thread", "process"))
-    assert not multiprocessing.active_children() and not _writer_processes()
+    assert not multiprocessing.active_children() and not _writer_processes(tmp_path)
 
 
-def _writer_processes() -> list[int]:
-    """Live checkpoint writer processes on this machine (every rank's ends with its rank)."""
+def _writer_processes(tmpdir: Path) -> list[int]:
+    """Live checkpoint writer processes started with TMPDIR `tmpdir` (every rank's ends with its rank)."""
     import os
     import time
 
     time.sleep(0.5)  # a writer's parent-death signal is delivered as its rank exits
+    mark = f"TMPDIR={tmpdir}".encode()
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"checkpoint.writer_child import main" in cmd and state != "Z":
+        if b"checkpoint.writer_child import main" in cmd and state != "Z" and mark in env:
             found.append(int(pid))
     return found
 

@@ -23,7 +23,10 @@ LEASE = b"BALLAST_LEASE="
 
 
 def training_groups() -> set[str]:
-    """The lease tokens of every live supervised training process on this machine (one per try's group)."""
+    """The lease tokens of every live supervised training process of this test session (one per try's
+    group): those on this machine whose environment names the session's BALLAST_HOME (another pytest-xdist
+    worker's trainers have their own)."""
+    home = f"BALLAST_HOME={os.environ['BALLAST_HOME']}".encode()
     tokens = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -36,7 +39,8 @@ def training_groups() -> set[str]:
                 env = f.read().split(b"\0")
         except (OSError, IndexError):
             continue
-        tokens.update(e[len(LEASE):].decode() for e in env if e.startswith(LEASE))
+        if home in env:
+            tokens.update(e[len(LEASE):].decode() for e in env if e.startswith(LEASE))
     return tokens
 
 

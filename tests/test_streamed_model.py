@@ -254,8 +254,12 @@ def test_weights_of_another_model_are_refused_naming_the_checkpoint(tmp_path, bu
 def test_the_budget_is_half_of_what_this_process_can_still_take():
     import re
 
-    available = int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1)) * 1024
-    assert 0 < streamed.memory_budget() <= 0.5 * available * 1.05
+    def available():  # another process (a pytest-xdist worker) may free memory between the two reads
+        return int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1)) * 1024
+
+    before = available()
+    budget = streamed.memory_budget()
+    assert 0 < budget <= 0.5 * max(before, available()) * 1.05
 
 
 _PEAK = """
