@@ -59,8 +59,12 @@ redis:
 demo: env
 	$(BIN)/ballast demo
 
+# Two test processes (pytest-xdist), each given a whole test file at a time so that a file's module
+# fixtures (a Slurm cluster, an S3 server) start once; the tests marked `alone` run with none beside them
+# (tests/conftest.py). TEST_WORKERS=0 runs every test in one process.
+TEST_WORKERS ?= 2
 test: env slurm browser prometheus postgres redis
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The fast tier: in-process tests of spec, plan, records, launch specs, checkpoints and codecs (under a
 # minute; no torchrun, Spark, GX, S3 server or Airflow database). `make test` runs every tier.

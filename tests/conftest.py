@@ -1,9 +1,11 @@
 """Test environment: private Airflow and Ballast homes for the whole session, set before Airflow is
 imported anywhere, so tests never touch the demo's .airflow/ and .ballast/; the shared fixtures; and
-the test tiers (unit, integration, e2e), of which every test has exactly one."""
+the test tiers (unit, integration, e2e), of which every test has exactly one; and, under pytest-xdist
+(`make test` runs two workers), the tests marked `alone` run with no other test beside them."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -30,12 +32,49 @@ os.environ.update({
 
 from helpers import make_ctx, run_chain, warm_cache_rest  # noqa: E402  (after the homes are set)
 
+if os.environ.get("PYTEST_XDIST_WORKER") and not hasattr(sys.modules["__main__"], "__file__") \
+        and sys.modules["__main__"].__spec__ is None:
+    # A pytest-xdist worker's __main__ is execnet's `python -c` bootstrap, which pyspark.sql.connect (imported
+    # by Great Expectations) takes for a doctest run and answers with sys.exit(0). An empty main module
+    # instead: what multiprocessing's spawned children then run as their __mp_main__ too.
+    sys.modules["__main__"].__file__ = str(ROOT / "tests" / "xdist_main.py")
+
 TIERS = ("unit", "integration", "e2e")
 
 
 def pytest_unconfigure(config):
     """The session's homes go with it (~190 MB each run: the Airflow database, logs, runs' storage)."""
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
+    if not os.environ.get("PYTEST_XDIST_WORKER") and LOCKS_ENV in os.environ:
+        shutil.rmtree(os.environ.pop(LOCKS_ENV), ignore_errors=True)
+
+
+LOCKS_ENV = "BALLAST_TEST_LOCKS"
+"""The folder of the workers' two lock files, made by the pytest-xdist controller before it starts them."""
+
+
+def pytest_configure(config):
+    if config.getoption("numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[LOCKS_ENV] = tempfile.mkdtemp(prefix="ballast-test-locks-")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked `alone` (it measures time or a share of the CPU, which a test beside
+    it would take) runs, from its setup to its teardown, with no other worker's test running: a
+    readers-writer lock on two files, the writer first. Every test passes the turnstile to take the
+    running lock, shared or (alone) exclusive; an alone test holds the turnstile until it ends, so the other
+    worker's next test waits behind it rather than starving it."""
+    folder = os.environ.get(LOCKS_ENV)
+    if not folder or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return (yield)
+    alone = item.get_closest_marker("alone") is not None
+    with open(Path(folder) / "turnstile", "a") as turnstile, open(Path(folder) / "running", "a") as running:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        return (yield)  # both locks end with their files
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a test without a tier must not silently vanish

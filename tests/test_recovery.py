@@ -405,6 +405,7 @@ def test_a_group_restart_counts_from_the_save_it_resumed_not_a_later_save_of_the
 
 
 @pytest.mark.e2e
+@pytest.mark.alone  # the lost time it predicts is measured: a test beside it takes half the cores
 def test_the_planner_predicts_what_a_run_with_random_kills_loses(tmp_path):
     """`ballast plan`'s model (Daly's, fed with the run's own failure rate, checkpoint interval, save and
     restart costs) against the ratio a run through Airflow measured with rank kills at random times (the
