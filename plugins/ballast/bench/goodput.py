@@ -240,9 +240,14 @@ def _planner_prediction(run: dict, wall: float) -> dict[str, Any]:
     times = sorted(e["time"] for e in saves)
     interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else wall
     blocked = sum(e.get("blocked_seconds", 0.0) for e in saves) / max(1, len(saves))
-    restarts = [t["seconds_to_next_step"] for t in _faults_timeline(run) if t.get("seconds_to_next_step")]
+    timeline = _faults_timeline(run)  # the kills first, in order, then the new Airflow tries
+    # A failure is a kill that training came back from. A missed kill found no rank to kill; one with no
+    # step after it came after the last step (the ranks were finishing), where there was nothing left to
+    # lose: counting it made the failure rate a kill too high whenever the machine ran fast.
+    hit = [t for k, t in zip(run["kills"], timeline) if not k.get("missed") and t["seconds_to_next_step"] is not None]
+    restarts = [t["seconds_to_next_step"] for t in hit + timeline[len(run["kills"]):] if t.get("seconds_to_next_step")]
     restart = sum(restarts) / len(restarts) if restarts else 0.0
-    kills = sum(not k.get("missed") for k in run["kills"])  # a missed kill found no rank to kill
+    kills = len(hit)
     failures = kills + sum(run["report"]["recovery"]["failures_by_class"].values())
     mttf = wall / failures if failures else float("inf")
     return {"mttf_seconds": round(mttf, 2), "checkpoint_interval_seconds": round(interval, 3),
