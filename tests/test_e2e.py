@@ -130,7 +130,7 @@ def test_on_the_real_scheduler_a_killed_task_and_a_cancelled_run_leave_no_traine
         first = _wait("try 1 training", lambda: training(1), timeout=300)
         assert group_members(first["pgid"], first["token"])
         os.kill(first["task_pid"], signal.SIGKILL)  # the task runner, as an OOM killer or an operator would
-        _wait("try 1's torchrun group gone", lambda: not group_members(first["pgid"], first["token"]), timeout=5)
+        _wait("try 1's torchrun group gone", lambda: not group_members(first["pgid"], first["token"]), timeout=15)
         second = _wait("try 2 training", lambda: training(2), timeout=120)
         assert not group_members(first["pgid"], first["token"])
         stack.request("PATCH", f"/api/v2/dags/ballast_digits/dagRuns/{quote(run['dag_run_id'], safe='')}",

@@ -52,7 +52,7 @@ def test_nan_checkpoints_last_good_state_and_next_try_skips_the_batch(tmp_path, 
 @pytest.mark.integration
 def test_hang_is_ended_by_the_watchdog_with_stacks(tmp_path, digits_cache):
     proc = run_single(config(tmp_path, digits_cache, changes={"rehearsal.faults": [{"kind": "hang", "step": 5}],
-                                                               "execution.hang_timeout_seconds": 3}))
+                                                               "execution.hang_timeout_seconds": 6}))
     assert proc.returncode == EXIT_CODES["hang"], proc.stderr[-2000:]
     assert record(tmp_path)["class"] == "hang"
     stacks = (tmp_path / "out" / "stacks-rank0.txt").read_text()

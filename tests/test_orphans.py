@@ -143,7 +143,7 @@ def test_a_sigkilled_task_runner_leaves_no_trainer_once_the_next_try_starts(tmp_
         if lease and group_members(lease["pgid"], lease["token"]):  # the test failed: leave nothing behind
             os.killpg(lease["pgid"], signal.SIGKILL)
     print(f"\n[orphans] SIGKILLed task runner ({state}): its group of {len(members)} processes gone {gone:.2f}s later")
-    assert gone < 2.0
+    assert gone < 5.0  # well under a second alone; a test beside it on the same two cores slows the teardown
     assert not (out / "failure.json").exists()  # the abandoned try recorded no failure for the next to misread
     # The next try: the lease names the ended try, and nothing is left to end.
     log = ListLog()
@@ -235,7 +235,7 @@ def test_c_cancel_is_recorded_and_leaves_no_process(tmp_path, digits_cache):
         stop_all()
         runner.join(timeout=30)
     print(f"\n[orphans] cancel: {len(members)} processes gone {took:.2f}s after stop_all()")
-    assert not left and took < 2.0
+    assert not left and took < 5.0  # well under a second alone; a test beside it slows the kernel's teardown
     assert result == {"rc": -signal.SIGKILL, "hung": False}
     assert was_cancelled(out)
     marker = read_cancel(out)

@@ -14,7 +14,8 @@ from ballast.spec import load_spec, parse_spec
 from helpers import EXAMPLE_SPEC, ROOT, example_data, write_spec
 
 LIMIT_S = 2.0
-"""A refusal's time bound: ~100x what these inputs take once bounded, ~1/100 of what they took before."""
+"""A refusal's time bound: ~100x what these inputs take once bounded, ~1/100 of what they took before. In
+this thread's CPU seconds (time.thread_time()), which a test beside it on the same cores does not add to."""
 
 
 def alias_bomb() -> str:
@@ -36,10 +37,10 @@ def wide_spec_text(n: int = 200_000) -> str:
 
 
 def lint(capsys, path) -> tuple[int, list[str], float]:
-    """`ballast lint PATH` in this process: (exit code, its output's lines, seconds)."""
-    started = time.perf_counter()
+    """`ballast lint PATH` in this process: (exit code, its output's lines, CPU seconds of this thread)."""
+    started = time.thread_time()
     code = cli(["lint", str(path)])
-    seconds = time.perf_counter() - started
+    seconds = time.thread_time() - started
     out = capsys.readouterr()
     return code, (out.out + out.err).splitlines(), seconds
 
@@ -72,10 +73,10 @@ def test_duplicate_field_names_are_found_in_linear_time():
     data = example_data()
     data["dataset"]["fields"] += [{"name": f"f{i}", "type": "float32"} for i in range(200_000)]
     data["dataset"]["fields"].append({"name": "f7", "type": "float32"})
-    started = time.perf_counter()
+    started = time.thread_time()
     with pytest.raises(SpecError, match=r"dataset\.fields: duplicate field name\(s\) f7$") as info:
         parse_spec(data, source="wide.yaml")
-    assert time.perf_counter() - started < LIMIT_S
+    assert time.thread_time() - started < LIMIT_S
     assert len(info.value.problems) == 1
 
 
@@ -88,11 +89,11 @@ def test_an_error_beside_an_alias_bomb_is_placed_without_walking_the_bomb():
 
     text = EXAMPLE_SPEC.read_text().replace("epochs: 30", "epochs: 0") + alias_bomb()
     data = yaml.load(text, Loader=yaml.CSafeLoader)  # shared lists: cheap until something walks them
-    started = time.perf_counter()
+    started = time.thread_time()
     with pytest.raises(ValidationError) as info:
         Spec.model_validate(data)
     problems = validation_error(info.value, Spec, source="bomb.yaml", text=text).problems
-    assert time.perf_counter() - started < LIMIT_S
+    assert time.thread_time() - started < LIMIT_S
     epochs = text.splitlines().index("  epochs: 0") + 1
     assert f"bomb.yaml:{epochs}: training.epochs: must be >= 1 (got 0)" in problems
     assert any(p.startswith(f"bomb.yaml:{len(text.splitlines())}: i: unknown key 'i'") for p in problems), problems
@@ -105,9 +106,9 @@ def test_values_are_cut_before_their_repr():
     nested: list = ["x"] * 9
     for _ in range(8):
         nested = [nested] * 9  # 9^9 strings when walked: what a YAML alias bomb decodes to
-    started = time.perf_counter()
+    started = time.thread_time()
     text = short(nested)
-    assert time.perf_counter() - started < 0.5
+    assert time.thread_time() - started < 0.5
     assert len(text) <= 80 and text.startswith("[[[")
     assert short("y" * 10**7).endswith("...") and len(short("y" * 10**7)) <= 80
 
@@ -119,20 +120,20 @@ def test_a_huge_bad_value_in_a_dict_spec_is_one_short_line_per_problem():
         nested = [nested] * 9
     data = example_data()
     data["name"] = nested  # a list where a string belongs: its value is in the message, cut
-    started = time.perf_counter()
+    started = time.thread_time()
     with pytest.raises(SpecError, match=r"^bomb\.yaml: name: must be a string \(got \[\[\[") as info:
         parse_spec(data, source="bomb.yaml")
-    assert time.perf_counter() - started < LIMIT_S
+    assert time.thread_time() - started < LIMIT_S
     assert all(len(line) < 200 for line in info.value.problems)
 
 
 @pytest.mark.unit
 def test_thousands_of_problems_are_cut_to_a_bounded_report(tmp_path):
     path = write_spec(tmp_path / "many.yaml", lambda d: d.update(tags=list(range(50_000))))
-    started = time.perf_counter()
+    started = time.thread_time()
     with pytest.raises(SpecError) as info:
         load_spec(path)
-    assert time.perf_counter() - started < LIMIT_S
+    assert time.thread_time() - started < LIMIT_S
     problems = info.value.problems
     assert len(problems) <= 21, len(problems)
     assert problems[0].startswith(f"{path}:") and "tags[0]: must be a string (got 0)" in problems[0]
