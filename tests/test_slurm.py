@@ -280,7 +280,8 @@ def test_a_preempted_job_checkpoints_and_the_next_try_asks_for_the_on_demand_par
         while time.monotonic() < deadline and not done.is_set():
             beats = [read_heartbeat(p.parent) for p in runs.glob("*/train/heartbeat")]
             if any(b and b.step >= 3 for b in beats) and any(j.endswith("RUNNING") for j in cluster.jobs()):
-                sp.run(["sbatch", "-p", "ondemand", "-N3", "--exclusive", "-J", "preemptor", "--wrap", "sleep 1"],
+                sp.run(["sbatch", "-p", "ondemand", "-N3", "--exclusive", "-J", "preemptor", "--output=/dev/null",
+                        "--wrap", "sleep 1"],
                        capture_output=True, text=True, env=cluster.env)
                 return
             time.sleep(0.2)
