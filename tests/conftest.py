@@ -41,16 +41,15 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not hasattr(sys.modules["__main__"]
 
 TIERS = ("unit", "integration", "e2e")
 
+LOCKS_ENV = "BALLAST_TEST_LOCKS"
+"""The folder of the workers' two lock files, made by the pytest-xdist controller before it starts them."""
+
 
 def pytest_unconfigure(config):
     """The session's homes go with it (~190 MB each run: the Airflow database, logs, runs' storage)."""
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
     if not os.environ.get("PYTEST_XDIST_WORKER") and LOCKS_ENV in os.environ:
         shutil.rmtree(os.environ.pop(LOCKS_ENV), ignore_errors=True)
-
-
-LOCKS_ENV = "BALLAST_TEST_LOCKS"
-"""The folder of the workers' two lock files, made by the pytest-xdist controller before it starts them."""
 
 
 def pytest_configure(config):

@@ -12,9 +12,10 @@ rank. Every rank (`ballast.bench.sharded_checkpoint_rank`, one spawned process e
   is committed (so a background write that outlasts the steps counts as lost); medians over rotated
   repetitions; target <= 0.10, not met (`resolved: false`, and why) where the sync save's measured loss
   is under half the time it blocked training: the stretches' spread then hides it. Beside it,
-  `floor_ratio`: the time training waits for the snapshot, plus the CPU time the asynchronous save's writing threads used (all ranks: hashing, serialising, the
-  writes' kernel time) less the idle core-seconds a stretch without a save leaves, over the machine's
-  cores; against the sync save's lost time. Where training keeps every core busy (4 CPU ranks on a
+  `floor_ratio`: the time training waits for the snapshot, plus the CPU time the asynchronous save's
+  writing threads used (all ranks: hashing, serialising, the writes' kernel time) less the idle
+  core-seconds a stretch without a save leaves, over the machine's cores; against the sync save's lost
+  time. Where training keeps every core busy (4 CPU ranks on a
   2-core machine) the write can only take that CPU from training, so the ratio measured cannot go
   below it, whatever the writer does;
 * `save_vs_dcp`, `load_vs_dcp`: DCP's own save/load time over Ballast's synchronous save until committed
