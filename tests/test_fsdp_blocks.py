@@ -373,9 +373,12 @@ def test_the_contents_check_reads_whole_files_of_its_share_a_bounded_batch_of_pi
     files = sorted(set(where.values()))
     assert len(files) == 2
     bad = where["model.w4"]
+    from ballast.training.checkpoint.direct_read import reader_class
+
     reads: list[list[str]] = []
-    read_data = dcp_api.FileSystemReader.read_data
-    monkeypatch.setattr(dcp_api.FileSystemReader, "read_data", lambda self, plan, planner: (
+    direct = reader_class(dcp_api.FileSystemReader)  # the read path of dcp.reader's readers
+    read_data = direct.read_data
+    monkeypatch.setattr(direct, "read_data", lambda self, plan, planner: (
         reads.append([self.storage_data[i.storage_index].relative_path for i in plan.items]),
         read_data(self, plan, planner))[1])
     monkeypatch.setattr(dcp, "_CHECK_BYTES", 2 * 64 * 4)  # two pieces a batch

@@ -2,8 +2,9 @@
 
 Each rank writes only its own shards (`__<rank>_0.distcp`), rank 0 also DCP's `.metadata` (which shard
 holds which piece of which tensor); a load reads, on each rank, only the pieces its own shards need,
-whatever the world size that wrote them (resharding is DCP's planner). No process ever holds the whole
-model or optimizer state: the state dicts here are sharded (DTensor) ones.
+whatever the world size that wrote them (resharding is DCP's planner), each piece read straight into
+the tensor it fills where it lies in one run of its file (direct_read). No process ever holds the
+whole model or optimizer state: the state dicts here are sharded (DTensor) ones.
 
 Only tensors go through DCP: DCP stores any other value pickled and unpickles it at load, so the
 optimizer's parameter groups (learning rate, betas...; JSON values) are written by the manager as
@@ -141,10 +142,12 @@ class _Unpickler(pickle.Unpickler):
 
 
 def reader(path: Path) -> Any:
+    from ballast.training.checkpoint.direct_read import reader_class
     from torch.distributed.checkpoint import FileSystemReader
 
-    class SafeReader(FileSystemReader):
-        """DCP's reader, whose metadata is unpickled with DCP's own classes only."""
+    class SafeReader(reader_class(FileSystemReader)):  # type: ignore[misc]
+        """DCP's reader, whose metadata is unpickled with DCP's own classes only, and whose plain
+        pieces are read straight into their targets (direct_read)."""
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             f = Path(path) / DCP_METADATA

@@ -1,0 +1,177 @@
+"""DCP shard files read straight into the tensors a load fills.
+
+DCP's `FileSystemReader.read_data` reads every stored piece with `torch.load` into a tensor of its own
+and then copies the part this rank needs into the target: the whole piece read (twice what a rank
+resharded to twice the ranks needs) into a fresh allocation (its pages faulted in and zeroed), then
+copied. A piece stored plainly (a `torch.save`d CPU tensor of a standard dtype, its bytes in order in
+its zip record, as DCP writes every tensor) is read here by one `pread` of just the part needed,
+straight into the target's own memory, the pieces of a file in file order. Whatever else a plan asks
+(a pickled value, a transformed record, a non-contiguous region or target, another device's target,
+another dtype) goes through DCP's own `read_data`, so the result is always DCP's.
+
+The record's `data.pkl` is read by an unpickler that accepts only what a plain tensor's pickle names
+(`torch._utils._rebuild_tensor_v2`, a storage type, `collections.OrderedDict`) and builds nothing: it
+returns the tensor's layout. Anything else is left to `torch.load(weights_only=True)` in DCP's path.
+A damaged or truncated record is a ValueError naming the file and the tensor, raised where DCP's own
+path raises its error: the callers (dcp.read_into, dcp.check...) name the checkpoint. Importing this
+module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+_DTYPES = {"FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+           "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+           "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+           "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128"}
+"""The storage types a `torch.save`d tensor's pickle names, and their dtypes; any other goes DCP's way."""
+
+
+class _Layout(NamedTuple):
+    dtype: str
+    key: str
+    numel: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _NotPlain(Exception):
+    """A record this reader leaves to DCP's own path."""
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise _NotPlain(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _DTYPES.values()
+                and pid[3] == "cpu" and isinstance(pid[4], int)):
+            raise _NotPlain(repr(pid)[:80])
+        return pid
+
+
+def _rebuild(storage: Any, offset: int, size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool = False,
+             hooks: Any = None, *rest: Any) -> _Layout:
+    if rest or hooks:
+        raise _NotPlain("tensor with metadata or hooks")
+    _, dtype, key, _, numel = storage
+    return _Layout(dtype, str(key), numel, int(offset), tuple(size), tuple(stride))
+
+
+def _layout(zf: Any) -> tuple[_Layout, str]:
+    """The tensor's layout from its record's pickle, and the name of the record holding its bytes."""
+    pkl = [n for n in zf.get_all_records() if n == "data.pkl" or n.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        raise _NotPlain("no single data.pkl")
+    prefix = pkl[0][: -len("data.pkl")]
+    if zf.has_record(prefix + "byteorder") and bytes(zf.get_record(prefix + "byteorder")).decode() != sys.byteorder:
+        raise _NotPlain("another byte order")
+    layout = _LayoutUnpickler(io.BytesIO(bytes(zf.get_record(pkl[0])))).load()
+    if not isinstance(layout, _Layout):
+        raise _NotPlain("not a tensor")
+    return layout, f"{prefix}data/{layout.key}"
+
+
+def _region(layout: _Layout, offsets: Any, lengths: Any) -> tuple[int, int]:
+    """(first element, element count) of the part of the stored tensor a read asks for, where that part
+    lies in one run of its storage: a contiguous tensor, whole in the dimensions after the last one
+    narrowed and one long in those before it."""
+    size, stride = layout.size, layout.stride
+    expected = 1
+    for dim in reversed(range(len(size))):
+        if size[dim] != 1 and stride[dim] != expected:
+            raise _NotPlain("non-contiguous stored tensor")
+        expected *= size[dim]
+    narrowed = [d for d in range(len(size)) if lengths[d] != size[d]]
+    if narrowed and any(lengths[d] != 1 for d in range(narrowed[-1])):  # after the last narrowed one: whole
+        raise _NotPlain("a region in several runs")
+    first = layout.offset + sum(o * s for o, s in zip(offsets, stride))
+    count = 1
+    for n in lengths:
+        count *= n
+    return first, count
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path, what: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ValueError(f"{path.name} ends before the bytes of {what} (at byte {offset + done} of"
+                             f" {offset + len(view)}): the shard file is truncated")
+        done += n
+
+
+@functools.cache
+def reader_class(base: type) -> type:
+    """`base` (a FileSystemReader) whose `read_data` reads plain pieces directly into their targets."""
+    import torch
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    class DirectReader(base):  # type: ignore[misc,valid-type]
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            per_file: dict[str, list[Any]] = {}
+            rest = []
+            for req in plan.items:
+                info = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.TENSOR and not getattr(info, "transform_descriptors", None):
+                    per_file.setdefault(info.relative_path, []).append(req)
+                else:
+                    rest.append(req)
+            for name, reqs in per_file.items():
+                path = Path(self.path) / name
+                with open(path, "rb") as f:  # buffered for the records' headers; the bytes by pread
+                    for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                        if not self._read_one(f, path, req, planner):
+                            rest.append(req)
+            if rest:  # DCP's own way, for what is not a plain piece
+                super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
+            done: Any = Future()
+            done.set_result(None)
+            return done
+
+        def _read_one(self, f: Any, path: Path, req: Any, planner: Any) -> bool:
+            info = self.storage_data[req.storage_index]
+            try:
+                zf = torch._C.PyTorchFileReader(self._slice_file(f, info))
+                layout, record = _layout(zf)
+                first, count = _region(layout, req.storage_offsets, req.lengths)
+                data, size = zf.get_record_offset(record), zf.get_record_size(record)
+            except _NotPlain:
+                return False
+            except Exception as exc:  # a damaged piece: its zip directory, its records or its pickle
+                raise ValueError(f"{path.name}: the record of {req.storage_index.fqn} at byte {info.offset} is"
+                                 f" damaged ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from exc
+            target = planner.resolve_tensor(req).detach()
+            dtype = getattr(torch, layout.dtype)
+            if (target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous()
+                    or tuple(target.shape) != tuple(req.lengths)):
+                return False
+            nbytes, start = count * dtype.itemsize, data + first * dtype.itemsize
+            if (first < 0 or first + count > layout.numel or layout.numel * dtype.itemsize > size
+                    or start + nbytes > info.length):
+                raise ValueError(f"{path.name}: the record of {req.storage_index.fqn} at byte {info.offset} is"
+                                 f" damaged (its tensor lies outside its {size} bytes)")
+            if nbytes:
+                view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+                _pread_into(f.fileno(), view, info.offset + start, path, req.storage_index.fqn)
+            planner.commit_tensor(req, target)
+            return True
+
+    return DirectReader
