@@ -34,8 +34,8 @@ def main() -> None:
     elif mode == "crash-write":
         make = dcp._hashing_file_system
 
-        def dying(digests, staging=None):  # rank 1's shard stream ends the process once 64 KiB of it are on disk
-            fs = make(digests, staging)
+        def dying(digests, staging=None, shard_bytes=0):  # rank 1's shard stream ends the process once 64 KiB of it are on disk
+            fs = make(digests, staging, shard_bytes)
             real = fs.create_stream
 
             @contextlib.contextmanager

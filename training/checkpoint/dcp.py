@@ -86,7 +86,7 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
 
     digests: dict[str, tuple[str, int]] = {}
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
-    writer.fs = _hashing_file_system(digests, staging)
+    writer.fs = _hashing_file_system(digests, staging, _shard_bytes(state))
     # What every rank holds alike (the optimizer's step counts, unsharded buffers: small) goes to rank 0's
     # file, not spread over every file: a rank resuming reads its own shards' files and rank 0's, never
     # every file for a scalar each (what a node of several fetches from storage: `needed_files`).
@@ -97,10 +97,29 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
     return {**{n: digests.get(n) for n in names}, **({DCP_METADATA: None} if rank == 0 else {})}
 
 
-def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = None) -> Any:
+def _shard_bytes(state: dict[str, Any]) -> int:
+    """About the size of this rank's shard file: the bytes of its pieces and each record's zip headers
+    (torch.save's: ~1.1 KiB, rounded up), the pieces every rank holds alike counted though only rank 0
+    writes them (small; the file is truncated to what was written)."""
+    total = 0
+    stack: list[Any] = [state]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "untyped_storage"):  # a tensor, or a DTensor's local shard
+            local = _local(obj)
+            total += local.numel() * local.element_size() + 2048
+    return total
+
+
+def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = None, shard_bytes: int = 0) -> Any:
     """DCP's local file system whose files opened for writing are fileio._FileWriter streams (O_DIRECT
     from the staging buffer, hashed as the bytes pass; the last partial block written and fsynced at
-    close); `digests`: file name -> (sha256, size) of each file completed."""
+    close); `digests`: file name -> (sha256, size) of each file completed. `shard_bytes`: a shard file's
+    expected size, reserved as it is opened (fileio._FileWriter's `size`)."""
     import contextlib
 
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -114,7 +133,8 @@ def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = Non
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            stream = open_file(Path(path), buffer)  # within fileio.offloading: written by the writer process
+            size = shard_bytes if Path(path).suffix == ".distcp" else 0  # not DCP's .metadata
+            stream = open_file(Path(path), buffer, size)  # within fileio.offloading: by the writer process
             try:
                 yield stream
             except BaseException as exc:

@@ -60,12 +60,18 @@ class _FileWriter:
     refused (tmpfs, some network filesystems, macOS) the same slices go through ordinary buffered
     writes. The file is fsynced at close. It is also the stream DCP writes a shard through
     (`checkpoint.dcp`: write, tell, fileno for DCP's own fsync, close, which DCP calls itself).
+
+    `size`: the file's expected size where the caller knows it (a plan's, a rank's shard's), reserved
+    at open (`posix_fallocate`) and the file truncated to what was written at close. O_DIRECT writes
+    bypass the filesystem's delayed allocation, so without it the ranks saving side by side get their
+    blocks in turns, 8 MiB each (ext4 here: ~24-34 extents per 270 MiB shard against 3 for one
+    reserved), and every later read of a shard skips over the other ranks' blocks.
     """
 
     BLOCK = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
     HASH_APART = 1 << 20  # smaller slices (a file's last, the JSON files) are hashed inline
 
-    def __init__(self, path: Path, staging: Any):
+    def __init__(self, path: Path, staging: Any, size: int = 0):
         self.path = path
         self.view = memoryview(staging)
         self.digest, self.size, self.pos, self.written = hashlib.sha256(), 0, 0, 0
@@ -79,6 +85,13 @@ class _FileWriter:
                 pass
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
+        self.reserved = False
+        if size > 0 and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(self.fd, 0, size)
+                self.reserved = True
+            except OSError:  # a filesystem without it (EOPNOTSUPP), or a full disk: the writes will say
+                pass
         self.closed = False
         self.error: BaseException | None = None  # what a write raised (torch.save reports only its effect)
 
@@ -180,7 +193,7 @@ class _FileWriter:
         try:
             if self.pos:
                 self._drain(self.pos)
-            if self.direct:
+            if self.direct or self.reserved:  # the last block's padding, what was reserved and not written
                 os.ftruncate(self.fd, self.size)
             os.fsync(self.fd)
         finally:
@@ -206,13 +219,14 @@ class offloading:
         _OFFLOAD.process = self.before
 
 
-def open_file(path: Path, staging: Any) -> Any:
+def open_file(path: Path, staging: Any, size: int = 0) -> Any:
     """A checkpoint file's stream, hashed as it is written: a _FileWriter, or within `offloading` a
-    writer_process.PlanWriter (the same interface), whose bytes the writer process writes."""
+    writer_process.PlanWriter (the same interface), whose bytes the writer process writes (the plan's
+    size reserved there). `size`: the expected size, reserved at open (_FileWriter)."""
     process = getattr(_OFFLOAD, "process", None)
     if process is not None and process.alive():
         return process.open(path, staging)
-    return _FileWriter(path, staging)
+    return _FileWriter(path, staging, size)
 
 
 def helper_cpu_seconds() -> float:

@@ -96,7 +96,8 @@ def run_plan(path: Path, items: list[list[Any]], inline: bytes | bytearray | mem
              resolve: Callable[[int, int, int], memoryview]) -> fileio._FileWriter:
     """Write a plan through fileio._FileWriter (hashed, fsynced); the closed writer. `resolve(region id,
     offset, n)`: the referenced bytes."""
-    w = _replay(fileio._FileWriter(Path(path), staging), items, inline, resolve)
+    size = sum(item[3] if item[0] == "r" else item[1] for item in items)
+    w = _replay(fileio._FileWriter(Path(path), staging, size), items, inline, resolve)
     w.close()
     return w
 
