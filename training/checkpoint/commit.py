@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ballast.training.checkpoint.fileio import _FileWriter, open_file, sha256_file, staging_buffer
+from ballast.training.checkpoint.fileio import _FileWriter, expected_bytes, open_file, sha256_file, staging_buffer
 from ballast.training.failure import CheckpointFailure
 
 COMMIT_MARKER = "COMMITTED"
@@ -245,7 +245,8 @@ class Writer:
         from torch.utils.serialization import config
 
         # Records aligned to 4096 in the file: a page-aligned tensor then goes to disk without staging.
-        with self._open(name) as out, config.patch({"save.compute_crc32": zip_crc, "save.storage_alignment": 4096}):
+        with self._open(name, expected_bytes(obj, per_tensor=5120)) as out, \
+                config.patch({"save.compute_crc32": zip_crc, "save.storage_alignment": 4096}):
             torch.save(obj, out)
 
     def write_json(self, name: str, obj: Any) -> None:
@@ -262,10 +263,11 @@ class Writer:
         self.written.append(name)
 
     @contextlib.contextmanager
-    def _open(self, name: str) -> Iterator[_FileWriter]:
+    def _open(self, name: str, size: int = 0) -> Iterator[_FileWriter]:
         """A file in the checkpoint, hashed while it is written (commit needs no second read of it);
-        the digest goes to a sidecar that commit folds into the manifest and removes."""
-        out = open_file(self.tmp / name, self.staging)
+        the digest goes to a sidecar that commit folds into the manifest and removes. `size`: its
+        expected size, reserved at open (fileio._FileWriter)."""
+        out = open_file(self.tmp / name, self.staging, size)
         try:
             yield out
         except BaseException:

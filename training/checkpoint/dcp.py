@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.training.checkpoint.commit import DCP_METADATA, share_of
-from ballast.training.checkpoint.fileio import load_tensors, open_file, staging_buffer
+from ballast.training.checkpoint.fileio import expected_bytes, load_tensors, open_file, staging_buffer
 from ballast.training.failure import CheckpointFailure
 
 MODEL, OPTIM = "model", "optim"
@@ -86,7 +86,7 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
 
     digests: dict[str, tuple[str, int]] = {}
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
-    writer.fs = _hashing_file_system(digests, staging, _shard_bytes(state))
+    writer.fs = _hashing_file_system(digests, staging, expected_bytes(state, per_tensor=2048))
     # What every rank holds alike (the optimizer's step counts, unsharded buffers: small) goes to rank 0's
     # file, not spread over every file: a rank resuming reads its own shards' files and rank 0's, never
     # every file for a scalar each (what a node of several fetches from storage: `needed_files`).
@@ -95,24 +95,6 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
     names = sorted(p.name for p in Path(directory).glob(f"__{rank}_*.distcp"))
     return {**{n: digests.get(n) for n in names}, **({DCP_METADATA: None} if rank == 0 else {})}
-
-
-def _shard_bytes(state: dict[str, Any]) -> int:
-    """About the size of this rank's shard file: the bytes of its pieces and each record's zip headers
-    (torch.save's: ~1.1 KiB, rounded up), the pieces every rank holds alike counted though only rank 0
-    writes them (small; the file is truncated to what was written)."""
-    total = 0
-    stack: list[Any] = [state]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif hasattr(obj, "untyped_storage"):  # a tensor, or a DTensor's local shard
-            local = _local(obj)
-            total += local.numel() * local.element_size() + 2048
-    return total
 
 
 def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = None, shard_bytes: int = 0) -> Any:

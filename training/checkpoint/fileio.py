@@ -229,6 +229,25 @@ def open_file(path: Path, staging: Any, size: int = 0) -> Any:
     return _FileWriter(path, staging, size)
 
 
+def expected_bytes(obj: Any, *, per_tensor: int) -> int:
+    """About the size of a file that torch.saves the tensors in `obj` (nested dicts, lists): their bytes
+    (a DTensor's local shard's) and `per_tensor` for each record's zip headers and alignment, for
+    _FileWriter's `size`. A tensor that only rank 0 writes (DCP's deduplicated ones) counts on every
+    rank: small, and the file is truncated to what was written."""
+    total = 0
+    stack: list[Any] = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "untyped_storage"):
+            local = item.to_local() if hasattr(item, "to_local") else item
+            total += local.numel() * local.element_size() + per_tensor
+    return total
+
+
 def helper_cpu_seconds() -> float:
     """The CPU time the hashing threads this thread started have used so far: with its own
     `time.thread_time()`, what its writes cost (the saver's `write_cpu_seconds`)."""
