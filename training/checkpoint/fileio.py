@@ -6,6 +6,7 @@ back, not which files make a checkpoint or when it may be trusted. Importing it 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -62,7 +63,7 @@ class _FileWriter:
     (`checkpoint.dcp`: write, tell, fileno for DCP's own fsync, close, which DCP calls itself).
 
     `size`: the file's expected size where the caller knows it (a plan's, a rank's shard's), reserved
-    at open (`posix_fallocate`) and the file truncated to what was written at close. O_DIRECT writes
+    at open (`fallocate`) and the file truncated to what was written at close. O_DIRECT writes
     bypass the filesystem's delayed allocation, so without it the ranks saving side by side get their
     blocks in turns, 8 MiB each (ext4 here: 23-34 extents per 270 MiB shard of 4 ranks saving at once,
     3-11 reserved), and every later read of a shard skips over the other ranks' blocks.
@@ -85,13 +86,7 @@ class _FileWriter:
                 pass
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
-        self.reserved = False
-        if size > 0 and hasattr(os, "posix_fallocate"):
-            try:
-                os.posix_fallocate(self.fd, 0, size)
-                self.reserved = True
-            except OSError:  # a filesystem without it (EOPNOTSUPP), or a full disk: the writes will say
-                pass
+        self.reserved = size > 0 and _reserve(self.fd, size)
         self.closed = False
         self.error: BaseException | None = None  # what a write raised (torch.save reports only its effect)
 
@@ -227,6 +222,29 @@ def open_file(path: Path, staging: Any, size: int = 0) -> Any:
     if process is not None and process.alive():
         return process.open(path, staging)
     return _FileWriter(path, staging, size)
+
+
+@functools.cache
+def _fallocate() -> Any:
+    """libc's fallocate(2), or None (not Linux). Not `os.posix_fallocate`: where a filesystem has no
+    fallocate (NFS v3, some FUSE), glibc's posix_fallocate writes a byte into every block instead,
+    a second pass over the whole file."""
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fallocate64
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
+
+
+def _reserve(fd: int, size: int) -> bool:
+    """Reserve `size` bytes of blocks for the file at `fd` (it grows to `size`); whether it was done. A
+    filesystem without it (EOPNOTSUPP) or a full disk leaves it unreserved: the writes then say."""
+    call = _fallocate()
+    return call is not None and call(fd, 0, 0, size) == 0
 
 
 def expected_bytes(obj: Any, *, per_tensor: int) -> int:
