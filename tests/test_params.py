@@ -70,7 +70,9 @@ def test_dag_test_refuses_an_unknown_key_at_the_first_task_and_a_bad_value_befor
 
 AUTHOR_ONLY = ["name", "version", "owner", "storage.uri", "storage.conn_id", "dataset.location", "cache.directory",
                "execution.env", "execution.backend", "execution.kubernetes.image", "execution.slurm.python",
-               "conversion.spark_master", "notifications.webhook.conn_id", "training.rehearsal.scheduled"]
+               "conversion.spark_master", "notifications.webhook.conn_id", "training.rehearsal.scheduled",
+               "dataset.tokenizer", "dataset.tokenizer.file", "training.model", "training.model.name",
+               "training.model.options"]
 
 
 @pytest.mark.unit
@@ -85,6 +87,58 @@ def test_overridable_refuses_what_only_the_spec_s_author_may_set(tmp_path, path)
                                         rf" alone \(.+\); a run parameter cannot change it$") as info:
         load_spec(spec)
     assert len(info.value.problems) == 1
+
+
+@pytest.mark.unit
+def test_a_language_models_tokenizer_file_and_model_size_are_never_run_parameters(tmp_path, capsys):
+    """The input of the second security pass: an LM spec that lists the tokenizer file and the model's
+    options, through which a trigger set the file to /etc/ssl/certs/../../passwd and the options to
+    {layers: 256, width: 65536, heads: 1}. Lint refuses the spec, one line each; the trigger has nothing
+    to set."""
+    import yaml
+    from ballast.dev.cli import main as cli
+    from helpers import ROOT
+
+    d = yaml.safe_load((ROOT / "dags" / "specs" / "lm.yaml").read_text())
+    d["dataset"]["tokenizer"] = {"file": "tokenizers/team.json"}
+    for path in ("dataset.tokenizer.file", "training.model.options"):
+        spec = tmp_path / f"{path}.yaml"
+        spec.write_text(yaml.safe_dump({**d, "overridable": [*d.get("overridable", []), path]}, sort_keys=False))
+        assert cli(["lint", str(spec)]) == 1
+        lines = [line for line in "".join(capsys.readouterr()).splitlines() if path in line]
+        assert len(lines) == 1 and re.search(rf"overridable: '{re.escape(path)}' is the spec author's alone", lines[0])
+    spec = load_spec(ROOT / "dags" / "specs" / "lm.yaml")
+    for conf in ({"file": "/etc/ssl/certs/../../passwd"}, {"options": {"layers": 256, "width": 65536, "heads": 1}}):
+        with pytest.raises(SpecError, match=r"unknown parameter"):
+            apply_overrides(spec, conf)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("path", "why"), [("recovery.policy", "is a map"), ("tags", "is a list")])
+def test_maps_and_lists_are_not_single_values(tmp_path, path, why):
+    """A field whose annotation is a mapping or a list is no single value, whatever wraps it (Optional,
+    Annotated): only scalars are run parameters (optional sections: the next test)."""
+    from helpers import write_spec
+
+    spec = write_spec(tmp_path / "spec.yaml", lambda d: d["overridable"].append(path))
+    with pytest.raises(SpecError, match=rf"overridable: '{re.escape(path)}' {why}"):
+        load_spec(spec)
+
+
+@pytest.mark.unit
+def test_the_shape_of_an_annotation_sees_through_optional_and_annotated():
+    from typing import Annotated, Any, Literal, Optional
+
+    from ballast.spec.overrides import _shape
+    from pydantic import BaseModel, Field
+
+    class Section(BaseModel):
+        x: int = 0
+
+    assert [_shape(a) for a in (Section | None, Optional[Section], Annotated[Section | None, Field()],
+                                dict[str, int] | None, Annotated[dict[str, Any], Field()], tuple[int, ...] | None,
+                                list[str], Any, int | None, Annotated[float, Field(gt=0)], Literal["a", "b"], str)] \
+        == ["section"] * 3 + ["mapping"] * 2 + ["list"] * 2 + ["any"] + ["scalar"] * 4
 
 
 @pytest.mark.unit

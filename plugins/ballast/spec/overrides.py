@@ -7,7 +7,10 @@ the closest allowed one: a typo must never train with the default.
 
 from __future__ import annotations
 
+import collections.abc
 import difflib
+import types
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -31,10 +34,33 @@ AUTHOR_ONLY: dict[str, str] = {
     "execution.slurm": "the job's partitions, account and interpreter",
     "notifications": "who hears of the pipeline, through which connections",
     "training.rehearsal.scheduled": "a rehearsal safeguard",
+    "dataset.tokenizer": "the tokenizer file read from storage or the worker's disk",
+    "training.model": "the model's code and size: what is built, and how much memory it takes",
 }
 """Fields (and sections, with every field below them) no run parameter may change: identity, storage,
 locations, directories, the environment, where and as whom training runs, who is notified. Whoever may
 trigger a run could otherwise read or write another pipeline's files, or run code of their choosing."""
+
+
+def _shape(ann: Any) -> str:
+    """What a field annotation holds: "section" (a section, optional or not), "mapping", "list", "any"
+    (unchecked values) or "scalar" (a single value, optional or not: str, number, bool, enum, Literal)."""
+    origin = typing.get_origin(ann)
+    if origin is typing.Annotated:
+        return _shape(typing.get_args(ann)[0])
+    if origin is typing.Union or origin is types.UnionType:
+        shapes = {_shape(a) for a in typing.get_args(ann) if a is not type(None)}
+        return next((s for s in ("section", "mapping", "list", "any") if s in shapes), "scalar")
+    if ann is Any:
+        return "any"
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "section"
+    kind = origin or ann
+    if isinstance(kind, type) and issubclass(kind, collections.abc.Mapping):
+        return "mapping"
+    if isinstance(kind, type) and issubclass(kind, (list, tuple, set, frozenset)):
+        return "list"
+    return "scalar"
 
 
 def resolve_field(path: str, root: type[BaseModel]) -> tuple[type[BaseModel], str]:
@@ -50,16 +76,19 @@ def resolve_field(path: str, root: type[BaseModel]) -> tuple[type[BaseModel], st
         field = model.model_fields.get(part)
         if field is None:
             raise ValueError(f"overridable: {path!r} is not a spec field ({'.'.join(parts[:i + 1])} unknown)")
-        ann = field.annotation
+        ann, shape = field.annotation, _shape(field.annotation)
         if i < len(parts) - 1:
-            if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-                raise ValueError(f"overridable: {path!r}: {'.'.join(parts[:i + 1])} has no sub-fields")
+            if not (isinstance(ann, type) and issubclass(ann, BaseModel)):  # an optional section's may be absent
+                what = "an optional section" if shape == "section" else "not a section"
+                raise ValueError(f"overridable: {path!r}: {'.'.join(parts[:i + 1])} is {what}; a run parameter"
+                                 f" can change only a field of a section every spec has")
             model = ann
         else:
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
+            if shape == "section":
                 raise ValueError(f"overridable: {path!r} is a section; name one of its fields")
-            if getattr(ann, "__origin__", None) is tuple:
-                raise ValueError(f"overridable: {path!r} is a list; only single values can be overridden")
+            if shape != "scalar":
+                what = {"mapping": "a map", "list": "a list", "any": "a value of any shape"}[shape]
+                raise ValueError(f"overridable: {path!r} is {what}; only single values can be overridden")
             return model, part
     raise ValueError(f"overridable: empty path {path!r}")
 
