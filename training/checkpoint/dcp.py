@@ -8,21 +8,22 @@ whole model or optimizer state: the state dicts here are sharded (DTensor) ones.
 
 Only tensors go through DCP: DCP stores any other value pickled and unpickles it at load, so the
 optimizer's parameter groups (learning rate, betas...; JSON values) are written by the manager as
-`optim_groups.json`. DCP's `.metadata` is a pickle too: it is read by `SafeReader`, whose unpickler
-accepts only DCP's own metadata classes and torch's sizes and dtypes, and only after the manifest's
-sha256 of it matched. The files join the commit protocol like any other (commit.Writer.adopt).
+`optim_groups.json`. DCP's `.metadata` is a pickle too: every read takes it from `dcp_metadata`
+(hashed against what the gate verified, unpickled with DCP's own metadata classes only, every entry
+checked), and every load goes through `load`, whose planner refuses to unpickle a stored value. The
+files join the commit protocol like any other (commit.Writer.adopt).
 Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ballast.training.checkpoint.commit import DCP_METADATA, share_of
+from ballast.training.checkpoint.dcp_metadata import read_metadata
 from ballast.training.checkpoint.fileio import expected_bytes, load_tensors, open_file, staging_buffer
 from ballast.training.failure import CheckpointFailure
 
@@ -30,16 +31,6 @@ MODEL, OPTIM = "model", "optim"
 GROUPS_FILE = "optim_groups.json"
 """The optimizer's parameter groups (hyper-parameters and the names of their parameters), as JSON."""
 _CHECK_BYTES = 64 << 20  # the gate reads pieces in batches of about this size (one larger piece alone)
-_SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
-                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"),
-                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                 *(("torch.distributed.checkpoint.metadata", name) for name in (
-                     "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                     "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
-"""What DCP's `.metadata` pickle may name: its metadata classes, torch sizes and dtypes, paths; no
-function (a module prefix would let a pickle call any function in DCP's modules)."""
-
-
 def sharded_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """({model: sharded model state, optim: sharded optimizer state}, the parameter groups); collective.
     An optimizer without state yet gets it (a zero step, as DCP's state_dict helpers do) so a load has
@@ -132,53 +123,79 @@ def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = Non
     return HashingFileSystem()
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
+def load_planner() -> Any:
+    """DCP's default load planner whose `load_bytes`, the one method that unpickles a stored value, refuses."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):  # torch.float32...
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+    class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            raise CheckpointFailure(f"{read_item.storage_index.fqn}: a pickled value in a checkpoint; a Ballast"
+                                    f" checkpoint holds tensors only, refusing to unpickle")
+
+    return TensorsOnlyLoadPlanner()
 
 
-def reader(path: Path) -> Any:
+def reader(path: Path, *, digest: str | None = None) -> Any:
+    """DCP's reader of the checkpoint at `path`, whose metadata is `read_metadata`'s (checked, read once;
+    `digest`: the sha256 the gate checked it at) and whose pieces are read straight into their targets,
+    each opened as a regular file of DCP's own name inside `path` (direct_read)."""
+    return _safe_reader()(str(path), digest=digest)
+
+
+@functools.cache
+def _safe_reader() -> type:
     from ballast.training.checkpoint.direct_read import reader_class
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(reader_class(FileSystemReader)):  # type: ignore[misc]
-        """DCP's reader, whose metadata is unpickled with DCP's own classes only, and whose plain
-        pieces are read straight into their targets (direct_read)."""
+        def __init__(self, path: str, *, digest: str | None = None) -> None:
+            super().__init__(path)
+            self.digest, self.checked = digest, None
 
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            f = Path(path) / DCP_METADATA
-            try:
-                metadata = _Unpickler(io.BytesIO(f.read_bytes())).load()
-            except Exception as exc:  # UnpicklingError, EOFError, AttributeError... for a bad file
-                raise CheckpointFailure(f"{f}: not a DCP checkpoint's metadata ({type(exc).__name__}: {exc})") from exc
-            from torch.distributed.checkpoint.metadata import StorageMeta
+        def read_metadata(self) -> Any:  # no **kwargs: DCP then never tries a rank's own metadata file
+            if self.checked is None:
+                self.checked = read_metadata(Path(self.path), digest=self.digest)
+            meta = self.checked[0]
+            if meta.storage_meta is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
 
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
 
-    return SafeReader(str(path))
+        def reset(self, checkpoint_id: Any = None) -> None:
+            super().reset(checkpoint_id)
+            self.checked = None
+
+    return SafeReader
 
 
 def metadata(path: Path) -> Any:
     return reader(path).read_metadata()
 
 
-def read_into(model: Any, optimizer: Any, path: Path, *, groups: list[dict[str, Any]], group: Any) -> None:
-    """Load the sharded checkpoint at `path` into `model` and `optimizer` (collective over `group`): each
-    rank reads the pieces of its own shards, at this run's world size."""
+def load(state: dict[str, Any], path: Path, *, group: Any = None, no_dist: bool = False,
+         digest: str | None = None, read: Any = None) -> None:
+    """DCP's load of `state` from the checkpoint at `path` (collective over `group`, or `no_dist`: this
+    process alone), through `reader` and a planner that never unpickles: every load of a sharded
+    checkpoint goes this way. `read`: a `reader(path)` already made (its metadata read once for several
+    loads)."""
     import torch.distributed.checkpoint as dcp
+
+    read = read if read is not None else reader(path, digest=digest)
+    read.read_metadata()  # a bad file named here, not after DCP's warning and its AssertionError
+    dcp.load(state, storage_reader=read, planner=load_planner(), process_group=group, no_dist=no_dist)
+
+
+def read_into(model: Any, optimizer: Any, path: Path, *, groups: list[dict[str, Any]], group: Any,
+              digest: str | None = None) -> None:
+    """Load the sharded checkpoint at `path` into `model` and `optimizer` (collective over `group`): each
+    rank reads the pieces of its own shards, at this run's world size. `digest`: the sha256 of the
+    metadata the gate checked (`check`'s), which the load's must have."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state, _ = sharded_state(model, optimizer)
-    dcp.load(state, storage_reader=reader(path), process_group=group)
+    load(state, path, group=group, digest=digest)
     set_state_dict(model, optimizer, model_state_dict=state[MODEL],
                    optim_state_dict={"state": state[OPTIM], "param_groups": groups})
 
@@ -186,11 +203,9 @@ def read_into(model: Any, optimizer: Any, path: Path, *, groups: list[dict[str, 
 def needed_files(model: Any, optimizer: Any, path: Path) -> set[str]:
     """The shard files that a load of the checkpoint at `path` into this rank's shards reads (DCP's own
     load plan for this rank, at this run's world size): what a node must hold before `read_into`."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     state, _ = sharded_state(model, optimizer)
     meta = metadata(path)
-    planner = DefaultLoadPlanner()
+    planner = load_planner()
     planner.set_up_planner(state, meta, is_coordinator=False)
     return {meta.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
 
@@ -199,14 +214,13 @@ def average_into(model: Any, paths: list[Path], *, group: Any) -> None:
     """Set `model`'s weights to the mean of the model weights of the checkpoints at `paths`, shard by
     shard: each rank reads and averages only its own pieces (float64 sums)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     current = get_model_state_dict(model)
     sums: dict[str, Any] = {}
     buf = {k: torch.empty_like(v) for k, v in current.items()}
     for path in paths:
-        dcp.load({MODEL: buf}, storage_reader=reader(path), process_group=group)
+        load({MODEL: buf}, path, group=group)
         for k, v in buf.items():
             local = _local(v)
             if torch.is_floating_point(local):
@@ -262,27 +276,25 @@ class _Checker:
         raise CheckpointFailure(f"{item.storage_index.fqn}: a pickled value in a Ballast checkpoint")
 
 
-def check(path: Path, *, share: tuple[int, int] | None = None, files: set[str] | None = None) -> None:
-    """The gate's contents check of a sharded checkpoint: tensors only (no pickled value), and every
-    floating-point piece finite; a failure names the shard file. Each shard file's pieces are read
-    through DCP's reader, a bounded batch of pieces at a time, each into a tensor of the piece's own size
-    (never a whole tensor). `share` (part, parts): only this part's shard files (`commit.share_of`: the
-    ranks that split the gate read each file once between them, whole files, the ones they hashed);
-    `files`: only these shard files (a node's own, of a checkpoint whose other files are on other nodes)."""
+def check(path: Path, *, share: tuple[int, int] | None = None, files: set[str] | None = None) -> str:
+    """The gate's contents check of a sharded checkpoint: its metadata (`read_metadata`: tensors only, no
+    pickled value, pieces inside the checkpoint), and every floating-point piece finite; a failure names
+    the shard file. Returns the sha256 of the metadata checked (a load after the gate asks for it:
+    `read_into`'s `digest`). Each shard file's pieces are read through the checkpoint's reader, a
+    bounded batch of pieces at a time, each into a tensor of the piece's own size (never a whole
+    tensor). `share` (part, parts): only this part's shard files (`commit.share_of`: the ranks that split
+    the gate read each file once between them, whole files, the ones they hashed); `files`: only these
+    shard files (a node's own, of a checkpoint whose other files are on other nodes)."""
     import torch
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
     path = Path(path)
-    meta = metadata(path)
-    pickled = [fqn for fqn, e in meta.state_dict_metadata.items() if isinstance(e, BytesStorageMetadata)]
-    if pickled:
-        raise CheckpointFailure(f"{path / DCP_METADATA}: holds pickled values ({', '.join(pickled[:3])}); a Ballast"
-                                " checkpoint holds tensors only, refusing to unpickle")
+    read = reader(path)
+    meta = read.read_metadata()
     pieces = _pieces(meta)
     names = sorted(n for n in pieces if files is None or n in files)
-    read = reader(path)
     read.set_up_storage_reader(meta, is_coordinator=False)
 
     def read_batch(name: str, batch: list[tuple[Any, Any, Any]]) -> None:
@@ -312,6 +324,7 @@ def check(path: Path, *, share: tuple[int, int] | None = None, files: set[str] |
                 batch, size = [], 0
         if batch:
             read_batch(name, batch)
+    return read.checked[1]
 
 
 def model_weights(path: Path) -> dict[str, Any]:
@@ -322,16 +335,13 @@ def model_weights(path: Path) -> dict[str, Any]:
 
     if (Path(path) / "model.pt").is_file() or not (Path(path) / DCP_METADATA).is_file():
         return load_tensors(Path(path) / "model.pt")
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = metadata(path)
     out = {fqn[len(MODEL) + 1:]: torch.empty(tuple(e.size), dtype=e.properties.dtype)
-           for fqn, e in meta.state_dict_metadata.items()
-           if fqn.startswith(MODEL + ".") and isinstance(e, TensorStorageMetadata)}
+           for fqn, e in meta.state_dict_metadata.items() if fqn.startswith(MODEL + ".")}
     try:
-        dcp.load({MODEL: out}, storage_reader=reader(path), no_dist=True)
+        load({MODEL: out}, path, no_dist=True)
     except CheckpointFailure:
         raise
     except (Exception, CheckpointException) as exc:

@@ -60,11 +60,11 @@ class Source:
 
 def _dcp_source(path: Path) -> Source:
     import torch
-    import torch.distributed.checkpoint as dcp_api
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = dcp.metadata(path)
+    source = dcp.reader(path)  # its metadata read and checked once, for every batch of tensors
+    meta = source.read_metadata()
     prefix = dcp.MODEL + "."
     entries = {fqn[len(prefix):]: e for fqn, e in meta.state_dict_metadata.items()
                if fqn.startswith(prefix) and isinstance(e, TensorStorageMetadata)}
@@ -77,7 +77,7 @@ def _dcp_source(path: Path) -> Source:
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp_api.load({dcp.MODEL: out}, storage_reader=dcp.reader(path), no_dist=True)
+                dcp.load({dcp.MODEL: out}, path, no_dist=True, read=source)
         except CheckpointFailure:
             raise
         except (Exception, CheckpointException) as exc:  # DCP's wraps what its reader raised (a damaged record);

@@ -40,14 +40,17 @@ Probe = Callable[[Path], float]
 
 
 def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None,
-          share: tuple[int, int] | None = None, probe_sharded: bool = True, held_only: bool = False) -> dict[str, Any]:
+          share: tuple[int, int] | None = None, probe_sharded: bool = True, held_only: bool = False,
+          verified: dict[Path, str] | None = None) -> dict[str, Any]:
     """Raise CheckpointFailure naming the first thing wrong with `path`; return its trainer state.
     `share` (part, parts): check only this part of the files' hashes and tensors (`latest_passing`'s
     ranks split the check and agree on it). `probe(path)`: a forward pass's loss, the probe reading the
     model itself (whole, or block by block: checkpoint.streamed). `probe_sharded` false: a
     sharded checkpoint gets no forward pass (the trainer's gate), only its hashes and every tensor's values.
     `held_only`: a node-local directory (`local-files.json`) is checked on the files it holds, `share`
-    splitting those; the others are other nodes' to check."""
+    splitting those; the others are other nodes' to check. `verified`: a sharded checkpoint that passes
+    gets `verified[path]`, the sha256 of the DCP metadata checked, which its load then requires
+    (`dcp.read_into`'s `digest`): the load reads the metadata the gate checked, not one swapped in since."""
     import torch
 
     path = Path(path)
@@ -73,7 +76,9 @@ def check(path: Path, *, probe: Probe | None = None, min_step: int | None = None
     if DCP_METADATA in manifest["files"]:  # sharded (FSDP): DCP's shards, read a bounded batch at a time
         from ballast.training.checkpoint import dcp
 
-        dcp.check(path, share=share, files=None if held is None else held)
+        digest = dcp.check(path, share=share, files=None if held is None else held)
+        if verified is not None:
+            verified[path] = digest
         if not probe_sharded:
             probe = None
     if probe is not None:  # it reads the model itself (whole, or block by block: checkpoint.streamed)
@@ -119,7 +124,7 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
                    share: tuple[int, int] | None = None, probe_sharded: bool = True,
                    agree: Callable[[Any], list[Any]] | None = None,
                    prepare: Callable[[Path], str | None] | None = None,
-                   node_share: tuple[int, int] | None = None) -> Path | None:
+                   node_share: tuple[int, int] | None = None, verified: dict[Path, str] | None = None) -> Path | None:
     """The newest committed checkpoint under `root` that passes `check`; the newer ones that fail are
     quarantined (or only skipped, with `quarantine_failures=False`: the trainer's ranks read, the
     orchestrator moves). `share` and `agree`: the trainer's ranks each check their share of every
@@ -131,7 +136,7 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
     A node-local directory (its node's share of the checkpoint, `local-files.json`) is a candidate only
     with `prepare`: `prepare(path)` (collective) makes it whole for what this node's ranks read (their
     files copied from storage) or says why not; then each node checks the files it holds, its ranks
-    splitting them by `node_share` (local rank, ranks on the node)."""
+    splitting them by `node_share` (local rank, ranks on the node). `verified`: as `check`'s."""
     candidates = list(reversed(committed(root)))
     if agree is not None:
         if prepare is None:
@@ -143,7 +148,7 @@ def latest_passing(root: Path, *, probe: Probe | None = None, min_step: int | No
             log(f"no checkpoint at or after step {min_step} passes the gate; {path.name} and older are behind it")
             return None  # older ones are not damaged, only too old: left where they are
         failure = agreed_failure(path, share=share, agree=agree, prepare=prepare, node_share=node_share,
-                                 probe=probe, min_step=min_step, probe_sharded=probe_sharded)
+                                 probe=probe, min_step=min_step, probe_sharded=probe_sharded, verified=verified)
         if failure is None:
             return path
         if quarantine_failures:

@@ -39,6 +39,7 @@ class CheckpointManager:
         self.state, self.states, self.model_section, self.parallelism = state, states, model_section, parallelism
         self.sharded = parallelism == "fsdp" and dist.enabled  # FSDP state: sharded checkpoints (DCP)
         self.metrics, self.log = metrics, log
+        self.verified: dict[Path, str] = {}  # sharded checkpoint -> sha256 of the metadata the gate checked
         metrics.set(checkpoint_interval_seconds=cfg.every_seconds)  # the stale-checkpoint alert's bound
         self.saver = AsyncSaver(self.root, rank=dist.rank, barrier=dist.ckpt_barrier,
                                 idle=cfg.writer_priority == "idle", on_written=self._written,
@@ -149,7 +150,7 @@ class CheckpointManager:
         from ballast.training.checkpoint.gate import latest_passing
 
         return latest_passing(self.root, quarantine_failures=False, log=self.log, **self._split_gate(),
-                              **self._node_local_gate())
+                              **self._node_local_gate(), verified=self.verified)
 
     def _split_gate(self) -> dict[str, Any]:
         """With several ranks, they split the gate (each its share of the files' hashes and of the
@@ -275,7 +276,8 @@ class CheckpointManager:
         except (OSError, ValueError) as exc:
             raise CheckpointFailure(f"{groups_file}: unreadable optimizer groups ({exc})") from exc
         with keeping_optimizer_kernel(self.optimizer):
-            dcp.read_into(self.model, self.optimizer, path, groups=groups, group=self.dist.ckpt_group)
+            dcp.read_into(self.model, self.optimizer, path, groups=groups, group=self.dist.ckpt_group,
+                          digest=self.verified.get(path))
         if recent:
             dcp.average_into(self.model, recent, group=self.dist.ckpt_group)
 
