@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pyarrow as pa
 import pytest
 from ballast.data.packing import SPLITS, split_codes
 from ballast.data.progress import progress_key
-from ballast.data.text import SequenceCutter, byte_tokenizer, file_tokenizer
+from ballast.data.text import SequenceCutter, byte_tokenizer, check_token_ids, file_tokenizer, text_shard_rows
 from ballast.errors import DataError, SpecError
 from ballast.spec import parse_spec
 from ballast.stages import convert, validate
@@ -286,3 +287,108 @@ def test_token_bytes_of_a_tokenizer_that_is_not_byte_level_come_from_decoding_ea
     tok = file_tokenizer(hf.to_str().encode(), "words.json")
     assert tok.eot_id == 1 and tok.token_bytes[1] == 0  # </s> found as the end-of-text, a special token
     assert tok.token_bytes[2:] == [len("naïve".encode()), len("数据".encode()), 1]
+
+
+def _word_level(vocab: dict[str, int]) -> bytes:
+    """A tokenizers JSON file of a WordLevel vocabulary as given (ids need not be dense), split on
+    whitespace, <|endoftext|> its special token."""
+    eot = {"id": vocab["<|endoftext|>"], "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+           "rstrip": False, "normalized": False, "special": True}
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [eot],
+                       "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+                       "decoder": None, "model": {"type": "WordLevel", "vocab": vocab,
+                                                   "unk_token": "<|endoftext|>"}}).encode()
+
+
+@pytest.mark.unit
+def test_a_vocabulary_whose_largest_id_is_past_the_bound_is_refused_naming_the_file_the_id_and_the_bound():
+    data = _word_level({"<|endoftext|>": 0, "a": 2147483646})  # 2 entries, the second id 2**31 - 2
+    with pytest.raises(SpecError, match=r"^dataset\.tokenizer\.file: sparse\.json: its largest token id is"
+                                        r" 2147483646 \('a'\), past the bound of 2097152 ids") as info:
+        file_tokenizer(data, "sparse.json")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.unit
+def test_the_recorded_vocab_size_of_a_sparse_vocabulary_is_its_largest_id_plus_one():
+    tok = file_tokenizer(_word_level({"<|endoftext|>": 0, "a": 1000, "bc": 7}), "sparse.json")
+    assert tok.vocab_size == 1001 and len(tok.token_bytes) == 1001  # not the 3 entries get_vocab_size() counts
+    assert tok.token_bytes[0] == 0 and tok.token_bytes[7] == 2 and tok.token_bytes[1000] == 1
+    assert sum(tok.token_bytes) == 3  # the ids the vocabulary skips stand for no bytes
+    ids, lengths = tok.encode(pa.array(["a bc a", "bc"]))
+    assert ids.tolist() == [1000, 7, 1000, 7] and lengths.tolist() == [3, 1]
+    check_token_ids(ids, lengths, tok.vocab_size, np.asarray([5, 9]), "raw/part-0.parquet", tok.describe)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad,row", [(1001, 11), (2147483646, 11), (-1, 12)])
+def test_a_token_id_outside_the_vocabulary_is_one_line_naming_the_document_and_the_id(bad, row):
+    tokens = np.asarray([1, 2, 3, 4, 1000, 6], np.int64)  # documents of 3, 2, 0 and 1 tokens: rows 10, 11, 13, 12
+    tokens[4 if row == 11 else 5] = bad
+    lengths = np.asarray([3, 2, 0, 1])
+    with pytest.raises(DataError, match=rf"^raw/part-0\.parquet: row {row}: words\.json gave token id {bad},"
+                                        r" outside its vocabulary \(ids 0 to 1000, ") as info:
+        check_token_ids(tokens, lengths, 1001, np.asarray([10, 11, 13, 12]), "raw/part-0.parquet", "words.json")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.integration
+def test_conversion_refuses_a_token_id_past_the_recorded_vocabulary_naming_the_raw_file_and_row(tmp_path,
+                                                                                                 monkeypatch):
+    """A tokenizer whose recorded vocabulary is smaller than the ids it gives: the byte vocabulary cut to
+    ASCII (ids 0-127), on documents with multi-byte characters."""
+    import dataclasses
+
+    from ballast.data import text
+
+    texts = corpus_texts(60)
+    raw = write_texts(tmp_path / "raw" / "part-0.parquet", texts)
+    ctx = make_ctx(tmp_path, raw, text_edit(tmp_path / "raw"))
+    run_chain(ctx, validate)
+    ascii_only = dataclasses.replace(byte_tokenizer(), vocab_size=128, token_bytes=[1] * 128)
+    monkeypatch.setattr(text, "load_tokenizer", lambda ctx: ascii_only)
+    with pytest.raises(DataError, match=r"part-0\.parquet: row \d+: the byte vocabulary gave token id \d+") as info:
+        convert.run(ctx)
+    message = str(info.value)
+    assert "\n" not in message and "ids 0 to 127" in message
+    row, bad = (int(x) for x in re.search(r"row (\d+): .* token id (\d+)", message).groups())
+    assert bad >= 128 and bad in texts[row].encode()  # the row named is a document holding that byte
+
+
+@pytest.mark.unit
+def test_a_shard_holds_at_most_text_shard_bytes_of_tokens():
+    assert text_shard_rows(10_000_000, 1_048_575) == 16  # 64 MiB / 4 MiB sequences (1Mi int32 tokens)
+    assert text_shard_rows(10_000_000, 1_048_576) == 15  # 4 bytes more a sequence: 16 would pass the bound
+    assert text_shard_rows(8, 16) == 8  # small sequences: shard_rows as set
+    assert text_shard_rows(1000, 16 << 20) == 1  # a sequence past the bound: one a shard
+
+
+@pytest.mark.integration
+def test_long_sequences_are_cut_into_shards_of_at_most_the_byte_bound_and_read_back_in_order(tmp_path,
+                                                                                             monkeypatch):
+    import pyarrow.parquet as pq
+    from ballast.data import text
+
+    seq_len, row_bytes = 64, 65 * 4
+    bound = 3 * row_bytes + 100  # three sequences a shard; shard_rows alone would make one shard a split
+    monkeypatch.setattr(text, "TEXT_SHARD_BYTES", bound)
+    texts = corpus_texts()
+    raw = write_texts(tmp_path / "raw" / "part-0.parquet", texts)
+    ctx = make_ctx(tmp_path, raw, lambda d: (text_edit(tmp_path / "raw", seq_len=seq_len)(d),
+                                             d["conversion"].update(shard_rows=100_000)))
+    out = run_chain(ctx, validate, convert)["convert"]
+    want = expected_sequences(texts, utf8_ids, seq_len=seq_len, eot=BYTE_EOT)
+    assert len(want["train"]) > 6  # enough sequences for several shards
+    root = Path(ctx.storage.local_path(out.prefix))
+    manifest = json.loads((root / "manifest.json").read_text())
+    shards = [e for e in manifest["files"] if e.get("kind") != "metadata"]
+    for split, rows in want.items():
+        parquet = sorted((root / "petastorm" / split).glob("part-*.parquet"))
+        counts = [pq.ParquetFile(p).metadata.num_rows for p in parquet]
+        assert sum(counts) == len(rows) and all(n * row_bytes <= bound for n in counts), (split, counts)
+        assert len(counts) == -(-len(rows) // 3), (split, counts)
+        tf = [e["rows"] for e in shards if e["split"] == split and e["format"] == "tfrecord"]
+        assert tf == counts, split
+    for fmt in ("petastorm", "tfrecord"):
+        got = _split_tokens(ctx, out, fmt)
+        assert all(np.array_equal(got[s], want[s]) for s in want), fmt

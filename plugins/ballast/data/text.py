@@ -5,13 +5,16 @@ train/validation/test by the same hash of their row id as any other dataset's ro
 documents are joined in row order with end-of-text between them and cut into `seq_len + 1` token
 sequences (no padding: a split's last partial sequence is dropped), written as the int32 `tokens`
 column, shard by shard (ballast.data.packing). Memory is bounded by one raw row group, a slice of at
-most TEXT_SLICE_BYTES of text and one shard per split, never by the corpus.
+most TEXT_SLICE_BYTES of text and one shard per split of at most TEXT_SHARD_BYTES of tokens, never by the
+corpus nor by seq_len x conversion.shard_rows.
 
 Two tokenizers (`dataset.tokenizer`): the byte vocabulary (`{kind: bytes}`: ids 0-255 are the UTF-8
 bytes, 256 is end-of-text; done with numpy on Arrow's buffers, no Python object per document), or a
 Hugging Face `tokenizers` JSON file from the pipeline's storage (`{file: KEY}`, `encode_batch`). The
-manifest's `tokenizer` entry records kind, sha256 of the file, vocab_size, eot_id and `token_bytes`, the
-UTF-8 bytes each id stands for (0 for special tokens), from which bits per byte is computed.
+manifest's `tokenizer` entry records kind, sha256 of the file, vocab_size (the largest id + 1, at most
+MAX_VOCAB_IDS), eot_id and `token_bytes`, the UTF-8 bytes each id stands for (0 for special tokens and for
+ids the vocabulary skips), from which bits per byte is computed. Every token id conversion writes is
+checked against vocab_size, a batch at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,19 @@ from ballast.errors import DataError, SpecError, StorageError
 TOKENS = "tokens"
 BYTE_EOT = 256
 TEXT_SLICE_BYTES = 4 << 20
+TEXT_SHARD_BYTES = 64 << 20
+"""The most token bytes one shard holds (rows x (seq_len + 1) x 4): a split's shard is cut at
+min(conversion.shard_rows, TEXT_SHARD_BYTES // row bytes) rows, at least one. What a split buffers (and
+the shard's encoded copies while it is written) then stays about this size, whatever seq_len x shard_rows
+(up to 4 MiB x 10M rows allowed by the spec). The other converters cut by shard_rows alone: their rows are
+the raw rows, read conversion.read_batch_rows at a time, not sequences of up to a million tokens."""
+MAX_VOCAB_IDS = 1 << 21
+"""The most ids a tokenizer file may have: its largest id + 1 (the recorded vocab_size) at most 2,097,152.
+Real vocabularies stay far below (GPT-2 50,257; Llama 3 128,256; Gemma 262,144). The bound is not 1 << 24:
+the manifest records one token_bytes entry per id up to the largest, and training turns that list into a
+tensor and the model into an embedding row per id; 16Mi ids is a 50 MB manifest read by every later stage
+(2 s to write, 1.3 s to parse, measured), for a vocabulary that is sparse or corrupt (ids are u32: a file
+can name id 2147483646 for its second token)."""
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
 
@@ -64,7 +80,10 @@ class TextTokenizer:
                 np.zeros(0, np.uint8)
             return raw.astype(np.int32), np.diff(offsets)
         encodings = self.hf.encode_batch(texts.to_pylist(), add_special_tokens=False)
-        arrays = [np.asarray(e.ids, dtype=np.int32) for e in encodings]  # one C-level copy per document
+        try:
+            arrays = [np.asarray(e.ids, dtype=np.int32) for e in encodings]  # one C-level copy per document
+        except OverflowError:  # an id past int32 (ids are u32): kept as it is, for check_token_ids to name
+            arrays = [np.asarray(e.ids, dtype=np.int64) for e in encodings]
         lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
         ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
         return ids, lengths
@@ -110,26 +129,52 @@ def file_tokenizer(data: bytes, source: str, eot: str | None = None) -> TextToke
         want = repr(eot) if eot else "none of " + ", ".join(EOT_CANDIDATES)
         raise SpecError(f"dataset.tokenizer: {source} has {want} in its vocabulary; name its end-of-text token"
                         f" in dataset.tokenizer.eot")
-    size = hf.get_vocab_size(with_added_tokens=True)
+    # vocab_size is the largest id + 1, not get_vocab_size() (a count of entries): ids need not be dense,
+    # and every id the tokenizer produces must be below what the manifest records (the model's embedding).
+    top = max(vocab, key=vocab.__getitem__)
+    size = vocab[top] + 1
+    if size > MAX_VOCAB_IDS:
+        raise SpecError(f"dataset.tokenizer.file: {source}: its largest token id is {vocab[top]} ({top!r}), past the"
+                        f" bound of {MAX_VOCAB_IDS} ids (largest id {MAX_VOCAB_IDS - 1}, more than any real"
+                        f" tokenizer has); number its {len(vocab)} tokens densely from 0")
     return TextTokenizer(kind="file", vocab_size=size, eot_id=vocab[names[0]], sha256=hashlib.sha256(data).hexdigest(),
                          token_bytes=token_bytes(hf, config, size), source=source, hf=hf)
 
 
 def token_bytes(hf: Any, config: dict, size: int) -> list[int]:
-    """UTF-8 bytes each id stands for: special tokens 0; a byte-level vocabulary (GPT-2's: one character
-    per byte) the token's length; any other the UTF-8 length of the token decoded alone."""
+    """UTF-8 bytes each id below `size` stands for: special tokens and ids not in the vocabulary 0; a
+    byte-level vocabulary (GPT-2's: one character per byte) the token's length; any other the UTF-8
+    length of the token decoded alone. Only the vocabulary's ids are looked at (a sparse one costs its
+    entries, not its largest id)."""
     special = {i for i, t in _added_tokens(hf).items() if getattr(t, "special", False)}
     special |= {t["id"] for t in config.get("added_tokens") or [] if t.get("special")}
     decoders = config.get("decoder") or {}
     kinds = {d.get("type") for d in decoders.get("decoders", [decoders])} if isinstance(decoders, dict) else set()
-    out = []
+    ids = sorted(i for i in set(hf.get_vocab(with_added_tokens=True).values()) if i < size and i not in special)
+    out = [0] * size
     if "ByteLevel" in kinds:
-        for i in range(size):
+        for i in ids:
             tok = hf.id_to_token(i)
-            out.append(0 if i in special or tok is None else len(tok))
+            out[i] = 0 if tok is None else len(tok)
         return out
-    decoded = hf.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
-    return [0 if i in special else len(s.encode("utf-8")) for i, s in enumerate(decoded)]
+    for i, s in zip(ids, hf.decode_batch([[i] for i in ids], skip_special_tokens=False)):
+        out[i] = len(s.encode("utf-8"))
+    return out
+
+
+def check_token_ids(tokens: Any, lengths: Any, vocab_size: int, row_ids: Any, where: str, tokenizer: str) -> None:
+    """DataError, one line naming the document (its global row id in `where`) and the id, when a token id
+    of a batch (`tokens`, each document's count in `lengths`) is outside 0 .. vocab_size - 1. Two numpy
+    reductions a batch; the document is looked for only when one fails."""
+    import numpy as np
+
+    if not len(tokens) or (int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size):
+        return
+    at = int(np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0])
+    doc = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+    raise DataError(f"{where}: row {int(row_ids[doc])}: {tokenizer} gave token id {int(tokens[at])}, outside its"
+                    f" vocabulary (ids 0 to {vocab_size - 1}, the vocab_size recorded); the tokenizer file is"
+                    f" inconsistent: fix it so every id it produces is in its vocabulary")
 
 
 def _added_tokens(hf: Any) -> dict:
@@ -232,6 +277,12 @@ class SequenceCutter:
         return flat[:n].reshape(rows, self.row_len)
 
 
+def text_shard_rows(shard_rows: int, seq_len: int) -> int:
+    """Sequences a shard: conversion.shard_rows, fewer where that many rows of seq_len + 1 int32 tokens
+    would pass TEXT_SHARD_BYTES; at least one."""
+    return max(1, min(shard_rows, TEXT_SHARD_BYTES // ((seq_len + 1) * 4)))
+
+
 def convert_text(chunks: list, spec: Any, bad_rows: Any, staging: Path, tokenizer: TextTokenizer, seq_len: int,
                  progress: Any = None) -> tuple[list[dict], dict]:
     """Tokenize, join, cut and write every split's sequences; (manifest entries, counts by split)."""
@@ -245,7 +296,8 @@ def convert_text(chunks: list, spec: Any, bad_rows: Any, staging: Path, tokenize
     enc = FeatureEncoder(tokens_field(seq_len))
     if tokenizer.vocab_size > np.iinfo(np.int32).max:
         raise DataError(f"dataset.tokenizer: a vocabulary of {tokenizer.vocab_size} ids does not fit int32 tokens")
-    cutters = {s: SequenceCutter(seq_len + 1, conv.shard_rows, tokenizer.eot_id) for s in SPLITS}
+    per_shard = text_shard_rows(conv.shard_rows, seq_len)
+    cutters = {s: SequenceCutter(seq_len + 1, per_shard, tokenizer.eot_id) for s in SPLITS}
     shard_no = {s: 0 for s in SPLITS}
     entries: list[dict] = []
     text_bytes = 0
@@ -264,6 +316,8 @@ def convert_text(chunks: list, spec: Any, bad_rows: Any, staging: Path, tokenize
                 if sel.size:
                     docs = texts.take(pa.array(sel))
                     tokens, lengths = tokenizer.encode(docs)
+                    check_token_ids(tokens, lengths, tokenizer.vocab_size, ids[sel], str(chunk.path),
+                                    tokenizer.describe)
                     for rows in cutters[split].add(tokens, lengths):
                         write(split, rows)
             text_bytes += int(pc.sum(pc.binary_length(texts)).as_py() or 0)
