@@ -96,12 +96,26 @@ def score_batches(models: list[Any], task: Any, batches: Iterable[Any], *, per_c
 
 
 def _published(ctx: RunContext, budget: int) -> tuple[Any, Any]:
-    """The last published model and its registry entry (evaluation.publish: if_better), or (None, None)."""
+    """The last published model and its registry entry (evaluation.publish: if_better), or (None, None).
+
+    Only the model this spec trains is a baseline: a card whose model section is out of the spec's bounds
+    or names another model (name, options, or the data the spec and this run's dataset decide: shapes,
+    classes, seq_len, vocab_size) gets one warning naming what differs, and neither its weights are
+    fetched nor a model built from it; this model is then published as when none was."""
+    from ballast.stages.train import dataset_manifest, run_config_model
     from ballast.storage import models as registry
 
     published = registry.latest(ctx)
     if published is None:
         ctx.log.info("evaluation.publish if_better: no model published yet; this one will be the first")
+        return None, None
+    ours = run_config_model(ctx, dataset_manifest(ctx.result("warm_cache").cache_dir))
+    problem = registry.model_mismatch(published, ours)
+    if problem is not None:
+        ctx.log.warning("evaluation.publish if_better: %s: %s; the published model %s is no baseline for this"
+                        " run, which is published as if none were (the spec's model changed since, or the card was"
+                        " edited; to compare, train the published model's architecture)",
+                        ctx.storage.describe(f"{published.prefix}/model_card.json"), problem, published.version)
         return None, None
     return registry.load(registry.weights(ctx, published, ctx.work_dir / "baseline"), published.model_section,
                          budget=budget, log=ctx.log.info), published

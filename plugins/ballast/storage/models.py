@@ -5,8 +5,9 @@ and by `evaluation.publish: if_better` (the evaluate task scores the last publis
 test split as the new one).
 
 What storage holds is not trusted: a version read from `LATEST` must be one version name (a path
-segment) before it is joined onto anything, and the weights must match the sha256 their model card
-records, checked on every load, a cached copy's included."""
+segment) before it is joined onto anything, the weights must match the sha256 their model card
+records, checked on every load, a cached copy's included, and no model is built from a card's model
+section before it is bounded and compared with the spec's (`model_mismatch`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """What publish names a version (a UTC time and the run's key): one path segment, never '.' or '..'."""
 VERSION_BYTES = 256  # LATEST holds one version name: a bounded read
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(none)"
+
+
+_ABSENT = _Absent()
+"""A key one of two model sections has and the other lacks."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,61 @@ def latest(ctx: RunContext) -> Published | None:
                         " carries one", storage.describe(prefix + "/model_card.json"))
         return None
     return Published(version=version, prefix=prefix, card=card)
+
+
+def _size_fields() -> dict[str, Any]:
+    """The size fields of a model section's `data` that a model is built to (an embedding of vocab_size
+    rows, positions for seq_len tokens, num_classes outputs), each with the bounds a spec puts on it: the
+    spec's own field for seq_len (training.seq_len) and num_classes (dataset.num_classes); a vocabulary,
+    which conversion finds, is held to int32 token ids there (ballast.data.text)."""
+    from typing import Annotated
+
+    from pydantic import Field
+
+    from ballast.training.config.sections import ModelSettings, NumClasses
+
+    seq_len = Annotated[(int, *ModelSettings.model_fields["seq_len"].metadata)]
+    return {"seq_len": seq_len, "vocab_size": Annotated[int, Field(ge=1, le=2**31 - 1)], "num_classes": NumClasses}
+
+
+def model_mismatch(published: Published, ours: dict[str, Any]) -> str | None:
+    """Why the published model is not the model `ours` describes ({name, options, data}: the spec's model
+    section as the trainer builds it, `ballast.stages.train.run_config_model`), or None when it is.
+
+    A card is read from storage, not checked as a spec is, and a model is built from what it says: its
+    size fields (`_size_fields`) are held to the spec's bounds first, then the section must validate as
+    a model section and name the same model, options and data as the spec. Nothing is built here."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from ballast.training.config.messages import describe, one_line, short
+    from ballast.training.config.run import ModelConfig
+
+    section = published.card.get("model_section")
+    if not isinstance(section, dict) or not isinstance(section.get("data"), dict):
+        return f"model_section must be a mapping of name, options and data (got {short(section)})"
+    data = section["data"]
+    for key, kind in _size_fields().items():
+        if key in data:
+            try:
+                TypeAdapter(kind).validate_python(data[key], strict=True)
+            except ValidationError as exc:
+                return one_line(("model_section", "data", key), *describe(exc.errors()[0], ModelConfig)[1:])
+    try:
+        theirs = ModelConfig.model_validate(section).model_dump(mode="json")
+    except ValidationError as exc:
+        loc, msg, value = describe(exc.errors()[0], ModelConfig)
+        return one_line(("model_section", *loc), msg, value)
+    diff = []
+    for part in ("name", "options", "data"):
+        mine, card = ours.get(part), theirs[part]
+        if isinstance(mine, dict) and isinstance(card, dict):
+            diff += [f"{part}.{k} {short(card.get(k, _ABSENT))} vs {short(mine.get(k, _ABSENT))}"
+                     for k in sorted(set(mine) | set(card), key=str) if mine.get(k, _ABSENT) != card.get(k, _ABSENT)]
+        elif mine != card:
+            diff.append(f"{part} {short(card)} vs {short(mine)}")
+    if diff:
+        return "another model than this spec trains (card vs spec: " + ", ".join(diff) + ")"
+    return None
 
 
 def weights(ctx: RunContext, published: Published, dest_dir: Path) -> Path:
