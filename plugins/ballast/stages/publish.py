@@ -13,6 +13,7 @@ marker is incomplete and must not be used. The run's report goes to `runs/<dag>/
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -43,18 +44,44 @@ def to_safetensors(src: Path, dest: Path, *, metadata: dict[str, str], max_shard
     return {name: sha256_file(dest / name) for name in ([done.config] if done.config else []) + done.files}
 
 
-def _tokenizer(ctx: RunContext, conv) -> dict | None:
-    """A language model's tokenizer, as the card names it: the built-in bytes vocabulary, or the
-    tokenizer file the dataset was tokenized with (copied beside the weights as tokenizer.json)."""
+def _tokenizer(ctx: RunContext, conv) -> tuple[dict | None, bytes | None]:
+    """A language model's tokenizer, as the card names it, and the bytes to publish as tokenizer.json:
+    the built-in bytes vocabulary (no file), or the tokenizer file the dataset was tokenized with, read
+    (from storage or its path, as conversion read it) and checked against the sha256 the dataset's
+    manifest records. Called before anything is uploaded: a file that cannot be read or is not the one
+    the data was tokenized with is a DataError, and nothing of the model is published."""
+    from ballast.data.text import tokenizer_bytes
+    from ballast.errors import BallastError, DataError
+
     if ctx.spec.training.task != "causal_lm":
-        return None
-    manifest = json.loads(ctx.storage.read_bytes(f"{conv.prefix}/manifest.json"))
+        return None, None
+    manifest_key = f"{conv.prefix}/manifest.json"
+    manifest = json.loads(ctx.storage.read_bytes(manifest_key))
     info = dict(manifest.get("tokenizer") or {})
     info.pop("token_bytes", None)
     tok = ctx.spec.dataset.tokenizer
-    if tok is not None and getattr(tok, "file", None):
-        info.update(file=TOKENIZER, source_key=tok.file)
-    return info
+    if tok is None or not getattr(tok, "file", None):
+        return info, None
+    where = ctx.storage.describe(manifest_key)
+    want = info.get("sha256")
+    if info.get("kind") != "file" or not isinstance(want, str):
+        raise DataError(f"{where}: tokenizer records no sha256 of a tokenizer file (kind {info.get('kind')!r}), but"
+                        f" dataset.tokenizer.file is {tok.file!r}: the data was not tokenized with that file;"
+                        f" run the pipeline again so that conversion tokenizes it with that file")
+    try:
+        data, source = tokenizer_bytes(ctx, tok.file)
+    except (BallastError, OSError) as exc:
+        raise DataError(f"dataset.tokenizer.file: {tok.file!r} cannot be read to publish it beside the model"
+                        f" ({str(exc).splitlines()[0][:300]}); restore the tokenizer file the data was tokenized"
+                        f" with (sha256 {want}) there, then publish again") from exc
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise DataError(f"dataset.tokenizer.file: {source} has sha256 {got}, but the data was tokenized with a file"
+                        f" of sha256 {want} ({where}): it changed since conversion, and the model must not be"
+                        f" published with another tokenizer; restore the file the data was tokenized with, or run"
+                        f" the pipeline again to convert and train with this one")
+    info.update(file=TOKENIZER, source_key=tok.file)
+    return info, data
 
 
 def _weights_file(ctx: RunContext, prefix: str) -> str:
@@ -79,12 +106,13 @@ def run(ctx: RunContext) -> PublishResult:
     recorded = ckpt.recorded_model(best)
     test = ev.scores()
     training = TrainingOutcome(epochs=train.epochs, steps=train.steps, stopped_early=train.stopped_early)
+    # The tokenizer first: checked against the data's manifest before the weights are exported or uploaded.
+    tokenizer, tokenizer_data = _tokenizer(ctx, conv)
     out = ctx.work_dir / "publish"
     files = to_safetensors(best, out, metadata={"pipeline": spec.name, "version": version},
                            max_shard_bytes=spec.evaluation.publish_shard_bytes, model_section=recorded)
     weights_file = list(files)[-1]  # model.safetensors, or the shards' index (written last)
     config = files.pop(CONFIG, None)  # hf_causal_lm: transformers' config.json beside the weights
-    tokenizer = _tokenizer(ctx, conv)
     card = {
         "name": spec.name, "version": version, "dag_id": ctx.dag_id, "run_id": ctx.run_id,
         # What the checkpoint records about its model, not the spec (which may have been edited since).
@@ -120,8 +148,8 @@ def run(ctx: RunContext) -> PublishResult:
     if publish:
         for name in ([CONFIG] if config else []) + list(files):  # the shards, then their index; PUBLISHED after all
             ctx.storage.upload(out / name, f"{prefix}/{name}")
-        if tokenizer and tokenizer.get("file"):
-            ctx.storage.write_bytes(f"{prefix}/{TOKENIZER}", ctx.storage.read_bytes(tokenizer["source_key"]))
+        if tokenizer_data is not None:  # the bytes checked above, not the file read again
+            ctx.storage.write_bytes(f"{prefix}/{TOKENIZER}", tokenizer_data)
         ctx.storage.write_bytes(f"{prefix}/model_card.json", json.dumps(card, indent=2).encode())
         ctx.storage.write_bytes(f"{prefix}/PUBLISHED", f"{version}\n".encode())
         ctx.storage.write_bytes(f"models/{spec.name}/LATEST", f"{version}\n".encode())
@@ -153,8 +181,12 @@ def _beats_published(ctx: RunContext, ev) -> tuple[bool, str | None]:
     from ballast.training.scores import improved
 
     spec_ev = ctx.spec.evaluation
-    if spec_ev.publish != "if_better" or ev.baseline is None:
-        return True, None if spec_ev.publish != "if_better" else "the first published model of the pipeline"
+    if spec_ev.publish != "if_better":
+        return True, None
+    if ev.baseline is None:  # none published, or none the evaluate task could compare with (its log says why)
+        first = not ctx.storage.exists(f"models/{ctx.spec.name}/LATEST")
+        return True, ("the first published model of the pipeline" if first else
+                      "no published model to compare with: the evaluate task's log says why")
     better = improved(ev.value, ev.baseline.value, mode=spec_ev.mode, min_delta=spec_ev.min_delta)
     verb = "beats" if better else "does not beat"
     return better, (f"test {ev.metric} {ev.value:.4f} {verb} the published model {ev.baseline_version}"
