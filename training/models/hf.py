@@ -21,6 +21,9 @@ OPTIONS_SCHEMA: dict[str, Any] = {
     "oneOf": [{"required": ["config"]}, {"required": ["path"]}],
     "additionalProperties": False,
 }
+LOCAL_ONLY: dict[str, Any] = {"trust_remote_code": False, "local_files_only": True}
+"""What every load from a directory passes: never code from the model's folder or the Hub (its
+`auto_map`), never a download (options.path is a local directory)."""
 
 
 def hf_causal_lm(options: dict[str, Any], data: dict[str, Any]) -> Any:
@@ -38,12 +41,14 @@ def hf_causal_lm(options: dict[str, Any], data: dict[str, Any]) -> Any:
             raise ValueError(f"options.path: {path} holds no config.json of a Hugging Face model")
         if not any(path.glob("*.safetensors")):
             raise ValueError(f"options.path: {path} holds no .safetensors weights (pickled weights are not loaded)")
-        inner = transformers.AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True)
+        _no_remote_code(_json_object(path / "config.json"), f"options.path: {path / 'config.json'}")
+        inner = transformers.AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **LOCAL_ONLY)
     else:
         settings = dict(options["config"])
+        _no_remote_code(settings, "options.config")
         kind = settings.pop("model_type")
-        config = transformers.AutoConfig.for_model(kind, **settings)
-        inner = transformers.AutoModelForCausalLM.from_config(config)
+        config = transformers.AutoConfig.for_model(kind, **settings)  # transformers' own class: nothing is read
+        inner = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     # Weights saved in fp16 or bf16 load in that dtype (transformers honours the config's dtype): the
     # trainer keeps fp32 weights and lets `training.precision` cast the compute (fp16's loss scaler
     # refuses fp16 gradients outright).
@@ -67,6 +72,28 @@ def hf_causal_lm(options: dict[str, Any], data: dict[str, Any]) -> Any:
             return _no_split_blocks(self.model)
 
     return CausalLM()
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON config ({exc})") from exc
+    if not isinstance(data, dict):
+        raise TypeError(f"{path}: not a JSON object of a Hugging Face model's config")
+    return data
+
+
+def _no_remote_code(config: dict[str, Any], where: str) -> None:
+    """A config that names code of its own (`auto_map`: Python files beside the weights or on the Hub) is
+    refused: transformers would import and run that code to build the model. Only its built-in
+    architectures are built here."""
+    if "auto_map" in config:
+        raise ValueError(f"{where}: names code of its own (auto_map {repr(config['auto_map'])[:120]}), which would"
+                         f" run to build the model; hf_causal_lm builds transformers' own architectures only"
+                         f" (trust_remote_code is off): remove auto_map and give a model_type transformers has")
 
 
 def _no_split_blocks(model: Any) -> list[Any]:

@@ -8,9 +8,10 @@ that DAG's runs, per request: 403). Static files included.
 Pages are HTML shells that fetch the JSON routes and draw with uPlot, vendored under `static/uplot/`
 (no CDN: the UI works with no internet access). A run id, a DAG id or a record is never markup: the
 shell is one Jinja template step with autoescape (the config as a JSON data element, `tojson`), the
-static script sets text only as text, and the shell's Content-Security-Policy allows no inline script. Summaries come from the run records in the pipeline's
-storage (`ballast.ui.summary`), cached: a finished run's for good (its records no longer change), a
-running one's for `LIVE_SECONDS`. Routes are plain `def`s: FastAPI runs them in its thread pool, so a
+static script sets text only as text, and the shell's Content-Security-Policy allows no inline script
+and no script from anywhere but the app's static folder (`_page_csp`). Summaries come from the run
+records in the pipeline's storage (`ballast.ui.summary`), cached: a finished run's for good (its records
+no longer change), a running one's for `LIVE_SECONDS`. Routes are plain `def`s: FastAPI runs them in its thread pool, so a
 slow storage read never blocks the API server's event loop. Concurrent requests for one summary
 compute it once (`_Cache`). A storage error is a 503 naming the pipeline; its cause (URIs, endpoints)
 goes to the API server's log only.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import mimetypes
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -44,9 +46,12 @@ CACHED_RUNS = 256
 MAX_DOCS_BYTES = 32 << 20  # one Data Docs page or asset: GX writes kilobytes
 PIPELINE_RUNS, MAX_PIPELINE_RUNS = 50, 500  # the pipeline page's newest runs: by default, and at most
 READ_RUNS = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
-# The view's own pages: scripts and styles from this app only (none inline), data from its routes.
-PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+# The view's own pages: scripts from this app's static folder only (none inline; `{scripts}`, see
+# `_page_csp`), styles from this app, data from its routes.
+PAGE_CSP = ("default-src 'none'; script-src {scripts}; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
             "base-uri 'none'; form-action 'none'; frame-ancestors 'self'")
+_HOST = re.compile(r"(?:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+"""A Host header that is a CSP host-part and port: anything else (no host) gets no script source."""
 log = logging.getLogger(__name__)
 
 
@@ -215,11 +220,29 @@ def _template():
     return env.get_template("page.html")
 
 
+def _page_csp(request: Request, static: str) -> str:
+    """PAGE_CSP with scripts allowed from `static` (this app's static folder, as the browser sees it) and
+    nowhere else on the origin: 'self' would allow any same-origin URL, a Data Docs page served by this
+    app (from data) or another app's file included. A path restricts only a source that names a host
+    (CSP3, host-source with a path-part; a path ending in '/' matches the files under it), so the source
+    is the request's scheme, host and port plus the path. An http source matches the page served over
+    https too (CSP3 upgrades the scheme), for a server behind a TLS proxy."""
+    from urllib.parse import quote
+
+    url = request.url
+    if url.scheme not in ("http", "https") or not _HOST.fullmatch(url.netloc):
+        return PAGE_CSP.format(scripts="'none'")
+    # ';' and ',' end a source or a policy: percent-encoded, as CSP paths are matched.
+    return PAGE_CSP.format(scripts=f"{url.scheme}://{url.netloc}{quote(static, safe='/-._~%')}")
+
+
 def _page(request: Request, kind: str, title: str, **config: str) -> HTMLResponse:
     """The page shell: one template step, every value escaped for where it goes (text and attributes:
     HTML-escaped; the config: JSON whose '<', '>', '&' and quotes are escapes, so it cannot end its element)."""
-    body = _template().render(title=title, static=_url(request, "static", name=""), config={"kind": kind, **config})
-    return HTMLResponse(body, headers={"Cache-Control": "no-store", "Content-Security-Policy": PAGE_CSP,
+    static = _url(request, "static", name="")
+    body = _template().render(title=title, static=static, config={"kind": kind, **config})
+    return HTMLResponse(body, headers={"Cache-Control": "no-store",
+                                       "Content-Security-Policy": _page_csp(request, static),
                                        "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"})
 
 
