@@ -8,6 +8,7 @@ module does not import torch.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import importlib
@@ -15,6 +16,7 @@ import io
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,10 @@ def _read_regular(f: Path, limit: int) -> bytes:
             raise CheckpointFailure(f"{f}: not a regular file; a checkpoint's metadata is one")
         if st.st_size > limit:
             raise CheckpointFailure(f"{f}: {st.st_size} bytes, over the {limit} a checkpoint's metadata may have")
-        return stream.read(limit + 1)
+        data = stream.read(limit + 1)
+    if len(data) > limit:  # grown since the stat
+        raise CheckpointFailure(f"{f}: over the {limit} bytes a checkpoint's metadata may have")
+    return data
 
 
 def read_metadata(path: Path, *, digest: str | None = None) -> tuple[Any, str]:
@@ -80,7 +85,8 @@ def read_metadata(path: Path, *, digest: str | None = None) -> tuple[Any, str]:
     anything trusts it. The bytes must hash to `digest` (what the gate checked) or, without one, to the
     manifest's entry; unpickled with DCP's metadata classes only (restricted_pickle); then every entry
     checked: tensors only (a bytes entry would make DCP unpickle a stored value), no transform, every
-    piece in a file of DCP's own name that the manifest lists, within the file's bounds."""
+    piece in a file of DCP's own name that the manifest lists, within the file's bounds. The object is
+    shared by the reads of the same bytes (`_CHECKED`): read it, never change it."""
     path = Path(path)
     f = path / DCP_METADATA
     data = _read_regular(f, _METADATA_MAX_BYTES)
@@ -94,15 +100,33 @@ def read_metadata(path: Path, *, digest: str | None = None) -> tuple[Any, str]:
     if digest is not None and sha != digest:
         raise CheckpointFailure(f"{f}: sha256 {sha[:12]}... is not the {digest[:12]}... that was verified; the"
                                 f" metadata changed after the gate checked it, refusing to load")
-    try:
-        meta = RestrictedUnpickler(io.BytesIO(data), allowed=_allowed, buildable=_buildable(),
-                                   what="a DCP checkpoint's metadata").load()
-    except Exception as exc:  # UnpicklingError, EOFError, TypeError... for a bad file
-        raise CheckpointFailure(f"{f}: not a DCP checkpoint's metadata ({type(exc).__name__}: {exc})") from exc
-    problem = _metadata_problem(meta, listed)
-    if problem:
-        raise CheckpointFailure(f"{f}: {problem}; refusing to read the checkpoint")
+    key = (sha, None if listed is None else tuple(sorted(
+        (name, e.get("size") if isinstance(e, dict) else None) for name, e in listed.items())))
+    with _CHECKED_LOCK:
+        meta = _CHECKED.get(key)
+    if meta is None:
+        try:
+            meta = RestrictedUnpickler(io.BytesIO(data), allowed=_allowed, buildable=_buildable(),
+                                       what="a DCP checkpoint's metadata").load()
+        except Exception as exc:  # UnpicklingError, EOFError, TypeError... for a bad file
+            raise CheckpointFailure(f"{f}: not a DCP checkpoint's metadata ({type(exc).__name__}: {exc})") from exc
+        problem = _metadata_problem(meta, listed)
+        if problem:
+            raise CheckpointFailure(f"{f}: {problem}; refusing to read the checkpoint")
+        with _CHECKED_LOCK:
+            _CHECKED[key] = meta
+            while len(_CHECKED) > _CHECKED_KEPT:
+                _CHECKED.popitem(last=False)
     return meta, sha
+
+
+_CHECKED: collections.OrderedDict[tuple[str, Any], Any] = collections.OrderedDict()
+"""Metadata already unpickled and checked, by (sha256 of its bytes, the manifest's file names and
+sizes it was checked against): a resume's load after its gate, and the gate of each of several
+checkpoints, hash the bytes again but parse them once. The restricted unpickler is the pure-Python
+one: ~60 us a stored piece against ~13 for the C one DCP uses (1,200 pieces: 67 ms against 5)."""
+_CHECKED_KEPT = 4
+_CHECKED_LOCK = threading.Lock()
 
 
 def _manifest_files(path: Path) -> dict[str, Any] | None:
