@@ -111,7 +111,8 @@ def test_a_transformed_piece_is_refused_in_the_metadata(tmp_path):
     for info in meta.storage_data.values():
         info.transform_descriptors = ["zstd"]
     _put_meta(ck, meta)
-    with pytest.raises(CheckpointFailure, match=r"model\.w' is stored transformed \(\['zstd'\]\)"):
+    with pytest.raises(CheckpointFailure, match=r"model\.w' is stored transformed \(a list\); a Ballast checkpoint"
+                                                r" stores plain tensors"):
         dcp.model_weights(ck)
 
 
@@ -197,12 +198,12 @@ def test_a_piece_file_that_is_no_regular_file_is_refused_at_once(tmp_path, kind)
     for info in meta.storage_data.values():
         info.relative_path = target.name
     _put_meta(ck, meta)  # no manifest: a bare DCP directory, the names its own
-    state = {"model": {"w": torch.zeros(6)}}
-    with pytest.raises(CheckpointFailure, match=r"ck: cannot read the model's shards through DCP"):
+    with pytest.raises(CheckpointFailure, match=r"ck/\.metadata: piece of 'model\.w' is in __1_0\.distcp, which is no"
+                                                r" regular file of the checkpoint"):
         dcp.model_weights(ck)
-    with pytest.raises(BaseException, match=r"__1_0\.distcp is not a regular file|Too many levels of symbolic links"):
-        dcp_api.load(state, storage_reader=dcp.reader(ck), no_dist=True)
-    assert not torch.equal(state["model"]["w"], torch.full((6,), 42.0))
+    # One swapped in after the metadata was checked: the reader's own open refuses it, at once.
+    with pytest.raises((ValueError, OSError), match=r"__1_0\.distcp is not a regular file|Too many levels of symbolic"):
+        direct_read.open_piece_file(ck, target.name)
 
 
 def test_dcps_own_read_path_opens_only_the_checkpoints_own_shard_files(tmp_path):
@@ -235,6 +236,51 @@ def test_a_metadata_pickle_cannot_replace_a_method_of_an_allowed_class(tmp_path)
         assert pathlib.PosixPath.is_file is original
     finally:
         pathlib.PosixPath.is_file = original
+
+
+def test_no_state_is_set_through_slots_nor_a_state_method_planted_by_the_pickle(tmp_path):
+    """An instance of a class the format needs may get its fields, never another class (`__class__` by
+    slot state) nor a `__setstate__` of the pickle's choosing."""
+    (tmp_path / "ck").mkdir()
+    chunk = b"ctorch.distributed.checkpoint.metadata\nChunkStorageMetadata\n)\x81"
+    for body, problem in ((chunk + b"N}X\t\x00\x00\x00__class__cpathlib\nPosixPath\ns\x86b.", "sets slot attributes"),
+                          (chunk + b"}X\x0c\x00\x00\x00__setstate__ctorch\nSize\nsb.", "sets a special attribute")):
+        (tmp_path / "ck" / ".metadata").write_bytes(b"\x80\x04" + body)
+        with pytest.raises(CheckpointFailure, match=rf"not a DCP checkpoint's metadata \(UnpicklingError: {problem}"):
+            dcp.metadata(tmp_path / "ck")
+
+
+def _doubling(depth: int, *, as_key: bool) -> bytes:
+    """A pickle whose value doubles `depth` times through the memo (t = (t, t)): ~7 bytes a level, 2^depth
+    work to hash or print; used as a mapping's key, or as torch.Size's argument."""
+    out = b"\x80\x04" + (b"}" if as_key else b"ctorch\nSize\n") + b")\x94"
+    for i in range(depth):
+        out += b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94"
+    return out + (b"K\x01s." if as_key else b"\x85R.")
+
+
+@pytest.mark.parametrize("as_key", [True, False], ids=["mapping-key", "call-argument"])
+def test_a_value_that_doubles_through_the_memo_is_refused_before_it_is_hashed_or_printed(tmp_path, as_key):
+    import time
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / ".metadata").write_bytes(_doubling(60, as_key=as_key))  # ~430 bytes, 2^60 to hash
+    started = time.monotonic()
+    with pytest.raises(CheckpointFailure, match=r"not a DCP checkpoint's metadata \(UnpicklingError: (keys a mapping"
+                                                r" by a tuple|calls a global with other than plain arguments)"):
+        dcp.metadata(tmp_path / "ck")
+    assert time.monotonic() - started < 2
+
+
+def test_a_pieces_layout_that_doubles_is_refused_in_a_short_line(tmp_path):
+    deep: list = []
+    for _ in range(40):
+        deep = [deep, deep]
+    ck = _with_piece(tmp_path, _piece(_layout_pickle(size=deep)))
+    with pytest.raises(CheckpointFailure, match=r"is damaged \(UnpicklingError: calls a global with other than plain"
+                                                r" arguments") as info:
+        dcp.model_weights(ck)
+    assert len(str(info.value)) < 1000
 
 
 def _piece(data_pkl: bytes, payload: bytes = b"\0" * 24, *, compress: frozenset[str] = frozenset()) -> bytes:
@@ -291,7 +337,7 @@ def test_a_pieces_pickle_cannot_rewrite_the_readers_own_functions(tmp_path):
                        torch.arange(6.0).numpy().tobytes())))["w"], torch.arange(6.0))
 
 
-@pytest.mark.parametrize(("layout", "problem"), [({"offset": "0"}, "offset '0'"), ({"size": [6]}, "size \\[6\\]"),
+@pytest.mark.parametrize(("layout", "problem"), [({"offset": "0"}, "offset a str"), ({"size": [6]}, "size a list"),
                                                  ({"offset": -1}, "offset -1"), ({"stride": (1, 1)}, "stride \\(1, 1\\)")])
 def test_every_layout_field_has_the_type_it_must_have(tmp_path, layout, problem):
     ck = _with_piece(tmp_path, _piece(_layout_pickle(**layout)))
@@ -306,7 +352,14 @@ def test_metadata_fields_of_the_wrong_type_or_range_are_refused(tmp_path):
                           (lambda m: setattr(m.state_dict_metadata["model.w"], "size", [6]), r"malformed tensor"),
                           (lambda m: setattr(m.state_dict_metadata["model.w"].chunks[0], "sizes", torch.Size([7])),
                            r"a piece outside its tensor"),
-                          (lambda m: setattr(m, "planner_data", {"model.w": 5}), r"planner_data")):
+                          (lambda m: setattr(m, "planner_data", {"model.w": 5}), r"planner_data"),
+                          (lambda m: setattr(m.state_dict_metadata["model.w"].properties, "dtype", torch.qint8),
+                           r"a dtype no plain tensor has"),
+                          (lambda m: setattr(m.state_dict_metadata["model.w"].chunks[0], "sizes", torch.Size([5])),
+                           r"'model\.w''s pieces do not cover its tensor exactly once"),
+                          (lambda m: m.storage_data.clear(), r"stores some tensor's piece nowhere"),
+                          (lambda m: setattr(next(iter(m.storage_data.values())), "length", 10),
+                           r"piece of 'model\.w' needs more bytes than the 10 stored")):
         meta = _meta(_save(tmp_path / "fresh"))
         edit(meta)
         _put_meta(ck, meta)

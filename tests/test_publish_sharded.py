@@ -300,7 +300,14 @@ def test_a_damaged_rank_file_stops_the_export_the_contents_check_and_the_model_r
 
     src = _dcp_checkpoint(tmp_path / "ckpt", _model().state_dict())
     rank = src / "__0_0.distcp"
-    rank.write_bytes(rank.read_bytes()[:1000])
+    whole = rank.read_bytes()
+    rank.write_bytes(whole[:1000])  # truncated: the metadata's pieces lie past its end, refused before any read
+    for read in (lambda: export.export(src, tmp_path / "pub", max_shard_bytes=20_000), lambda: dcp.check(src),
+                 lambda: dcp.model_weights(src)):
+        with pytest.raises(CheckpointFailure, match=r"ckpt/\.metadata: piece of '.+' lies past the end of __0_0\.distcp"
+                                                    r" \(1000 bytes\)"):
+            read()
+    rank.write_bytes(whole.replace(b"PK", b"XX"))  # the same size, its records' headers damaged
     with pytest.raises(CheckpointFailure, match=r"cannot read the shards __0_0\.distcp through DCP"):
         export.export(src, tmp_path / "pub", max_shard_bytes=20_000)
     assert not list((tmp_path / "pub").glob("*.safetensors"))

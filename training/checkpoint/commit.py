@@ -127,17 +127,26 @@ def verify(path: Path, *, held_only: bool = False, share: tuple[int, int] | None
             raise CheckpointFailure(f"{path / MANIFEST}: file name {name!r} is not allowed")
         if held is not None and name not in held:
             continue
-        if not f.is_file():
-            raise CheckpointFailure(f"{f}: listed in the manifest but missing")
+        if f.is_symlink() or not f.is_file():  # a link could name another pipeline's file, or a FIFO
+            raise CheckpointFailure(f"{f}: listed in the manifest but missing, or not a regular file")
         if f.stat().st_size != meta["size"]:
             raise CheckpointFailure(f"{f}: size {f.stat().st_size} does not match the manifest ({meta['size']});"
                                     " truncated?")
-        if name in mine and sha256_file(f) != meta["sha256"]:
+        if name in mine and _sha256_regular(f) != meta["sha256"]:
             raise CheckpointFailure(f"{f}: sha256 does not match the manifest; the file was changed or corrupted")
     if held is not None and not held <= set(files):
         raise CheckpointFailure(f"{path / LOCAL_FILES}: names files the manifest does not list"
                                 f" ({', '.join(sorted(held - set(files))[:3])})")
     return manifest
+
+
+def _sha256_regular(f: Path) -> str | None:
+    """The sha256 of `f` if it is still a regular file when opened (never following a link, never
+    waiting on a FIFO swapped in since the check); None otherwise."""
+    try:
+        return sha256_file(f, regular_only=True)
+    except OSError:
+        return None
 
 
 def share_of(names: Any, share: tuple[int, int] | None) -> set[str]:

@@ -153,15 +153,15 @@ def _safe_reader() -> type:
             self.digest, self.checked = digest, None
 
         def read_metadata(self) -> Any:  # no **kwargs: DCP then never tries a rank's own metadata file
+            import dataclasses
+
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
             if self.checked is None:
                 self.checked = read_metadata(Path(self.path), digest=self.digest)
-            meta = self.checked[0]
-            if meta.storage_meta is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
-                meta.storage_meta = StorageMeta()
-            meta.storage_meta.load_id = self.load_id
-            return meta
+            meta = self.checked[0]  # shared by the reads of the same bytes: this load's id on a copy
+            return dataclasses.replace(meta, storage_meta=dataclasses.replace(meta.storage_meta or StorageMeta(),
+                                                                              load_id=self.load_id))
 
         def reset(self, checkpoint_id: Any = None) -> None:
             super().reset(checkpoint_id)
@@ -210,9 +210,10 @@ def needed_files(model: Any, optimizer: Any, path: Path) -> set[str]:
     return {meta.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
 
 
-def average_into(model: Any, paths: list[Path], *, group: Any) -> None:
+def average_into(model: Any, paths: list[Path], *, group: Any, digests: dict[Path, str] | None = None) -> None:
     """Set `model`'s weights to the mean of the model weights of the checkpoints at `paths`, shard by
-    shard: each rank reads and averages only its own pieces (float64 sums)."""
+    shard: each rank reads and averages only its own pieces (float64 sums). `digests`: the sha256 of
+    each one's metadata as the gate checked it (`read_into`'s `digest`)."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -220,7 +221,7 @@ def average_into(model: Any, paths: list[Path], *, group: Any) -> None:
     sums: dict[str, Any] = {}
     buf = {k: torch.empty_like(v) for k, v in current.items()}
     for path in paths:
-        load({MODEL: buf}, path, group=group)
+        load({MODEL: buf}, path, group=group, digest=(digests or {}).get(path))
         for k, v in buf.items():
             local = _local(v)
             if torch.is_floating_point(local):

@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import io
 import json
+import math
 import os
 import stat
 import threading
@@ -21,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ballast.training.checkpoint.commit import DCP_METADATA, MANIFEST
-from ballast.training.checkpoint.direct_read import PIECE_FILE
-from ballast.training.checkpoint.restricted_pickle import RestrictedUnpickler
+from ballast.training.checkpoint.direct_read import PIECE_FILE, STORED_DTYPES
+from ballast.training.checkpoint.restricted_pickle import ATOMS, RestrictedUnpickler
 from ballast.training.failure import CheckpointFailure
 
 _SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
@@ -46,6 +47,8 @@ def _allowed(key: tuple[str, str]) -> Any:
     module, name = key
     if key in _SAFE_GLOBALS:
         return getattr(importlib.import_module(module), name)
+    if module == "pathlib._local" and ("pathlib", name) in _SAFE_GLOBALS:  # what Python 3.13 and later write
+        return getattr(importlib.import_module("pathlib"), name)
     if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):  # torch.float32...
         return getattr(torch, name)
     return None
@@ -97,20 +100,28 @@ def read_metadata(path: Path, *, digest: str | None = None) -> tuple[Any, str]:
         if not isinstance(entry, dict):
             raise CheckpointFailure(f"{path / MANIFEST}: does not list {DCP_METADATA}; refusing to read the shards")
         digest = entry.get("sha256")
+        if not isinstance(digest, str):
+            raise CheckpointFailure(f"{path / MANIFEST}: records no sha256 of {DCP_METADATA}; refusing to read the"
+                                    f" shards")
     if digest is not None and sha != digest:
         raise CheckpointFailure(f"{f}: sha256 {sha[:12]}... is not the {digest[:12]}... that was verified; the"
                                 f" metadata changed after the gate checked it, refusing to load")
     key = (sha, None if listed is None else tuple(sorted(
-        (name, e.get("size") if isinstance(e, dict) else None) for name, e in listed.items())))
+        (name, e["size"] if isinstance(e, dict) and type(e.get("size")) is int else None)
+        for name, e in listed.items())))
     with _CHECKED_LOCK:
         meta = _CHECKED.get(key)
     if meta is None:
         try:
             meta = RestrictedUnpickler(io.BytesIO(data), allowed=_allowed, buildable=_buildable(),
-                                       what="a DCP checkpoint's metadata").load()
+                                       keys=metadata_key, what="a DCP checkpoint's metadata").load()
         except Exception as exc:  # UnpicklingError, EOFError, TypeError... for a bad file
-            raise CheckpointFailure(f"{f}: not a DCP checkpoint's metadata ({type(exc).__name__}: {exc})") from exc
-        problem = _metadata_problem(meta, listed)
+            raise CheckpointFailure(f"{f}: not a DCP checkpoint's metadata ({type(exc).__name__}:"
+                                    f" {str(exc)[:300]})") from exc
+        try:
+            problem = _metadata_problem(meta, path, listed)
+        except Exception as exc:  # noqa: BLE001  (what the checks did not foresee is still this file's fault)
+            problem = f"malformed ({type(exc).__name__})"
         if problem:
             raise CheckpointFailure(f"{f}: {problem}; refusing to read the checkpoint")
         with _CHECKED_LOCK:
@@ -146,65 +157,164 @@ def _manifest_files(path: Path) -> dict[str, Any] | None:
 def _is_size(v: Any, rank: int | None = None) -> bool:
     import torch
 
-    return (type(v) is torch.Size and (rank is None or len(v) == rank)
-            and all(type(n) is int and n >= 0 for n in v))
+    return (type(v) is torch.Size and len(v) <= _MAX_DIMS and (rank is None or len(v) == rank)
+            and all(n >= 0 for n in v))  # a torch.Size holds ints only
 
 
-def _metadata_problem(meta: Any, listed: dict[str, Any] | None) -> str | None:
-    """What is wrong with unpickled metadata (None: nothing): every field's type and range, as the
-    planner and the readers use them."""
+_MAX_DIMS = 64
+"""The most dimensions a stored tensor may have."""
+
+
+def _show(v: Any) -> str:
+    """An untrusted value for a message: a short string or number shown, anything else by its type
+    only (a pickle can build a value that costs 2^n to print)."""
+    if type(v) is str:
+        return repr(v[:120]) + ("..." if len(v) > 120 else "")
+    if type(v) in (int, bool) and abs(v) < 1 << 64 or v is None:
+        return repr(v)
+    return f"a {type(v).__name__}"
+
+
+def metadata_key(key: Any) -> bool:
+    """A mapping key a `.metadata` may use: a plain value, or a MetadataIndex of a name and a size."""
+    kind = type(key)
+    if kind in ATOMS:
+        return True
+    index, size = _index_types()
+    return kind is index and type(key.fqn) is str and (
+        key.offset is None or type(key.offset) is size and len(key.offset) <= _MAX_DIMS)
+
+
+@functools.cache
+def _index_types() -> tuple[type, type]:
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex, torch.Size
+
+
+def _tiles(size: tuple[int, ...], chunks: dict[tuple[int, ...], tuple[int, ...]]) -> bool:
+    """Whether the pieces (offsets -> sizes, each inside the tensor) cover a tensor of `size` exactly
+    once: their volumes add up to the tensor's and no two overlap (a sweep along the first dimension:
+    the pieces a sharded save writes along it meet few others)."""
+    if sum(math.prod(s) for s in chunks.values()) != math.prod(size):
+        return False
+    if not size:
+        return len(chunks) == 1
+    active: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+    for o, s in sorted(chunks.items()):
+        if not math.prod(s):
+            continue
+        active = [a for a in active if a[0] > o[0]]
+        for _, ao, asz in active:
+            if all(ao[d] < o[d] + s[d] and o[d] < ao[d] + asz[d] for d in range(len(s))):
+                return False
+        active.append((o[0] + s[0], o, s))
+    return True
+
+
+def _metadata_problem(meta: Any, path: Path, listed: dict[str, Any] | None) -> str | None:
+    """What is wrong with unpickled metadata (None: nothing): every field's type and range as the
+    planner and the readers use them, and the pieces of each tensor stored once each, covering it
+    exactly, each within its file and no larger than its stored bytes."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, StorageMeta, TensorProperties,
                                                        TensorStorageMetadata)
 
-    if type(meta) is not Metadata or type(meta.state_dict_metadata) is not dict:
-        return f"holds a {type(meta).__name__}, not DCP's Metadata"
+    if type(meta) is not Metadata or type(getattr(meta, "state_dict_metadata", None)) is not dict:
+        return f"holds {_show(meta)}, not DCP's Metadata"
     pickled = [k for k, e in meta.state_dict_metadata.items() if type(e) is BytesStorageMetadata]
     if pickled:
-        return (f"holds pickled values ({', '.join(map(str, pickled[:3]))}); a Ballast checkpoint holds tensors"
-                f" only, refusing to unpickle")
-    chunks: set[tuple[str, tuple[int, ...]]] = set()
+        names = ", ".join(k[:120] if type(k) is str else _show(k) for k in pickled[:3])
+        return (f"holds pickled values ({names}); a Ballast checkpoint holds"
+                f" tensors only, refusing to unpickle")
+    stored = _stored_dtypes()
+    chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+    itemsize: dict[str, int] = {}
     for fqn, e in meta.state_dict_metadata.items():
         if type(fqn) is not str or type(e) is not TensorStorageMetadata:
-            return f"entry {str(fqn)[:80]!r} is a {type(e).__name__}, not a tensor's"
-        p = e.properties
-        if (type(p) is not TensorProperties or not isinstance(p.dtype, torch.dtype) or p.layout != torch.strided
-                or not _is_size(e.size) or type(e.chunks) is not list):
-            return f"entry {fqn!r} has malformed tensor properties"
+            return f"entry {_show(fqn)} is {_show(e)}, not a tensor's"
+        p = getattr(e, "properties", None)
+        if (type(p) is not TensorProperties or getattr(p, "dtype", None) not in stored
+                or getattr(p, "layout", None) is not torch.strided or not _is_size(getattr(e, "size", None))
+                or type(getattr(e, "chunks", None)) is not list):
+            return f"entry {_show(fqn)} has malformed tensor properties (or a dtype no plain tensor has)"
+        mine: dict[tuple[int, ...], tuple[int, ...]] = {}
         for c in e.chunks:
-            if (type(c) is not ChunkStorageMetadata or not _is_size(c.offsets, len(e.size))
-                    or not _is_size(c.sizes, len(e.size))
+            if (type(c) is not ChunkStorageMetadata or not _is_size(getattr(c, "offsets", None), len(e.size))
+                    or not _is_size(getattr(c, "sizes", None), len(e.size))
                     or any(o + n > d for o, n, d in zip(c.offsets, c.sizes, e.size))):
-                return f"entry {fqn!r} has a piece outside its tensor"
-            chunks.add((fqn, tuple(c.offsets)))
+                return f"entry {_show(fqn)} has a piece outside its tensor"
+            if tuple(c.offsets) in mine:
+                return f"entry {_show(fqn)} has two pieces at offsets {tuple(c.offsets)}"
+            mine[tuple(c.offsets)] = tuple(c.sizes)
+        if not _tiles(tuple(e.size), mine):
+            return f"entry {_show(fqn)}'s pieces do not cover its tensor exactly once"
+        chunks[fqn], itemsize[fqn] = mine, p.dtype.itemsize
     if type(meta.storage_data) is not dict:
         return "has no table of where each piece is stored"
+    sizes = _file_sizes(path, listed, meta.storage_data.values())
     for index, info in meta.storage_data.items():
-        if type(index) is not MetadataIndex or (index.fqn, tuple(index.offset or ())) not in chunks:
-            return f"stores a piece no tensor has ({str(getattr(index, 'fqn', index))[:80]})"
+        if type(index) is not MetadataIndex or not metadata_key(index):
+            return f"stores {_show(index)} where a piece's index belongs"
+        at = tuple(index.offset) if index.offset is not None else None
+        piece = chunks.get(index.fqn, {}).get(at)
+        if piece is None:
+            return f"stores a piece no tensor has ({_show(index.fqn)} at {at})"
         if type(info) is not _StorageInfo:
-            return f"piece of {index.fqn!r}: a {type(info).__name__}, not DCP's storage entry"
-        name = info.relative_path
+            return f"piece of {_show(index.fqn)}: {_show(info)}, not DCP's storage entry"
+        name = getattr(info, "relative_path", None)
         if type(name) is not str or not PIECE_FILE.match(name):
-            return (f"piece of {index.fqn!r} is in {str(name)[:300]!r}, not a shard file of this checkpoint"
+            return (f"piece of {_show(index.fqn)} is in {_show(name)}, not a shard file of this checkpoint"
                     f" (__<rank>_<n>.distcp)")
-        if listed is not None and name not in listed:
-            return f"piece of {index.fqn!r} is in {name}, which the manifest does not list"
-        if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
-            return f"piece of {index.fqn!r} has offset {info.offset!r} and length {info.length!r}"
-        size = listed[name].get("size") if listed is not None and isinstance(listed[name], dict) else None
-        if listed is not None and not (type(size) is int and info.offset + info.length <= size):
-            return f"piece of {index.fqn!r} lies past the end of {name} ({size!r} bytes in the manifest)"
-        if info.transform_descriptors:
-            return (f"piece of {index.fqn!r} is stored transformed ({str(info.transform_descriptors)[:80]}); a Ballast"
-                    f" checkpoint stores plain tensors")
+        if name not in sizes:
+            return (f"piece of {_show(index.fqn)} is in {name}, which the manifest does not list" if listed is not None
+                    else f"piece of {_show(index.fqn)} is in {name}, which is no regular file of the checkpoint")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            return f"piece of {_show(index.fqn)} has offset {_show(offset)} and length {_show(length)}"
+        if offset + length > sizes[name]:
+            return f"piece of {_show(index.fqn)} lies past the end of {name} ({sizes[name]} bytes)"
+        if math.prod(piece) * itemsize[index.fqn] > length:
+            return f"piece of {_show(index.fqn)} needs more bytes than the {length} stored"
+        if getattr(info, "transform_descriptors", None):
+            return (f"piece of {_show(index.fqn)} is stored transformed ({_show(info.transform_descriptors)});"
+                    f" a Ballast checkpoint stores plain tensors")
+    if len(meta.storage_data) != sum(map(len, chunks.values())):  # the keys are distinct (fqn, offsets)
+        return "stores some tensor's piece nowhere"
     if meta.storage_meta is not None and type(meta.storage_meta) is not StorageMeta:
-        return f"storage_meta is a {type(meta.storage_meta).__name__}"
+        return f"storage_meta is {_show(meta.storage_meta)}"
     planner = meta.planner_data
     if planner is not None and not (type(planner) is dict and all(
             type(k) is str and type(v) in (tuple, list) and all(type(x) in (str, int) for x in v)
             for k, v in planner.items())):
         return "planner_data is not DCP's map of names to key paths"
     return None
+
+
+def _file_sizes(path: Path, listed: dict[str, Any] | None, infos: Any) -> dict[str, int]:
+    """The shard files a checkpoint's pieces may lie in, and their sizes: the manifest's (a committed
+    checkpoint, whose files the gate holds to them); in a bare DCP directory, the regular files of
+    DCP's names the pieces name."""
+    if listed is not None:
+        return {n: e["size"] for n, e in listed.items()
+                if PIECE_FILE.match(n) and isinstance(e, dict) and type(e.get("size")) is int}
+    out = {}
+    for name in {getattr(i, "relative_path", None) for i in infos}:
+        if type(name) is str and PIECE_FILE.match(name):
+            try:
+                st = os.lstat(path / name)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out[name] = st.st_size
+    return out
+
+
+@functools.cache
+def _stored_dtypes() -> frozenset[Any]:
+    import torch
+
+    return frozenset(getattr(torch, name) for name in STORED_DTYPES)

@@ -45,6 +45,8 @@ _DTYPES = {"FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage":
            "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
            "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128"}
 """The storage types a `torch.save`d tensor's pickle names, and their dtypes; any other goes DCP's way."""
+STORED_DTYPES = frozenset(_DTYPES.values())
+"""The dtypes (torch's names) of the tensors a checkpoint stores: a metadata entry of any other is refused."""
 PIECE_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 """DCP's shard file names (`__<rank>_<n>.distcp`): the only files a read opens, and the only names a
 checkpoint's metadata may give a piece's file (dcp_metadata)."""
@@ -83,7 +85,7 @@ class _LayoutUnpickler(RestrictedUnpickler):
     def persistent_load(self, pid: Any) -> Any:
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and pid[1] in _DTYPES.values()
                 and type(pid[2]) is str and pid[3] == "cpu" and type(pid[4]) is int and pid[4] >= 0):
-            raise _NotPlain(repr(pid)[:80])
+            raise _NotPlain(f"a persistent id of {len(pid) if type(pid) is tuple else type(pid).__name__}")
         return pid
 
 
@@ -97,9 +99,20 @@ def _rebuild(storage: Any, offset: int, size: tuple[int, ...], stride: tuple[int
         raise _NotPlain("tensor with metadata or hooks")
     if not (type(storage) is tuple and type(offset) is int and offset >= 0 and _ints(size) and _ints(stride)
             and len(size) == len(stride) and all(n >= 0 for n in size) and type(requires_grad) is bool):
-        raise ValueError(f"a tensor's layout of the wrong types (offset {offset!r}, size {size!r}, stride {stride!r})")
+        raise ValueError(f"a tensor's layout of the wrong types (offset {_kind(offset)}, size {_kind(size)},"
+                         f" stride {_kind(stride)})")
     _, dtype, key, _, numel = storage
     return _Layout(dtype, key, numel, offset, size, stride)
+
+
+def _kind(v: Any) -> str:
+    """A layout field for a message: a small int or a short tuple of them shown, anything else by its
+    type only (a pickle can build a value that costs 2^n to print)."""
+    if type(v) is int and abs(v) < 1 << 64:
+        return str(v)
+    if _ints(v) and len(v) <= 8 and all(abs(n) < 1 << 64 for n in v):
+        return str(v)
+    return f"a {type(v).__name__}"
 
 
 def open_piece_file(directory: Path, name: str, *, pattern: re.Pattern[str] = PIECE_FILE) -> Any:
@@ -128,7 +141,10 @@ def _layout(zf: Any) -> tuple[_Layout, str]:
     if zf.get_record_size(pkl[0]) > _PICKLE_MAX_BYTES:
         raise ValueError(f"its data.pkl inflates to {zf.get_record_size(pkl[0])} bytes (a plain tensor's is"
                          f" under {_PICKLE_MAX_BYTES})")
-    if zf.has_record(prefix + "byteorder") and bytes(zf.get_record(prefix + "byteorder")).decode() != sys.byteorder:
+    order = prefix + "byteorder"
+    if zf.has_record(order) and zf.get_record_size(order) > 16:
+        raise ValueError(f"its byteorder record holds {zf.get_record_size(order)} bytes, not a byte order's name")
+    if zf.has_record(order) and bytes(zf.get_record(order)).decode(errors="replace") != sys.byteorder:
         raise _NotPlain("another byte order")
     layout = _LayoutUnpickler(io.BytesIO(bytes(zf.get_record(pkl[0])))).load()
     if not isinstance(layout, _Layout):

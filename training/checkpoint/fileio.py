@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -17,10 +18,15 @@ from typing import Any
 from ballast.training.failure import CheckpointFailure
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """The sha256 of a file, read in chunks (a checkpoint file may not fit in memory twice)."""
+def sha256_file(path: Path, chunk: int = 1 << 20, *, regular_only: bool = False) -> str:
+    """The sha256 of a file, read in chunks (a checkpoint file may not fit in memory twice).
+    `regular_only`: opened without following a link or waiting on a FIFO, and an OSError unless it is a
+    regular file (a checkpoint's file, which anyone who can write to storage can swap)."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    flags = os.O_RDONLY | os.O_CLOEXEC | ((os.O_NOFOLLOW | os.O_NONBLOCK) if regular_only else 0)
+    with os.fdopen(os.open(path, flags), "rb") as fh:
+        if regular_only and not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            raise OSError(f"{path}: not a regular file")
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()

@@ -173,7 +173,7 @@ class CheckpointManager:
         """Whether `path` passes the gate (split between the ranks, which all get the same answer)."""
         from ballast.training.checkpoint.gate import agreed_failure
 
-        failure = agreed_failure(path, **self._split_gate(), **self._node_local_gate())
+        failure = agreed_failure(path, **self._split_gate(), **self._node_local_gate(), verified=self.verified)
         if failure:
             self.log(f"not averaged: {failure}")
         return failure is None
@@ -279,7 +279,7 @@ class CheckpointManager:
             dcp.read_into(self.model, self.optimizer, path, groups=groups, group=self.dist.ckpt_group,
                           digest=self.verified.get(path))
         if recent:
-            dcp.average_into(self.model, recent, group=self.dist.ckpt_group)
+            dcp.average_into(self.model, recent, group=self.dist.ckpt_group, digests=self.verified)
 
     def _check_model(self, path: Path) -> None:
         """Refuse a checkpoint of another model: its name, its data and every option but dropout (which
