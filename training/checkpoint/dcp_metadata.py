@@ -135,7 +135,8 @@ _CHECKED: collections.OrderedDict[tuple[str, Any], Any] = collections.OrderedDic
 """Metadata already unpickled and checked, by (sha256 of its bytes, the manifest's file names and
 sizes it was checked against): a resume's load after its gate, and the gate of each of several
 checkpoints, hash the bytes again but parse them once. The restricted unpickler is the pure-Python
-one: ~60 us a stored piece against ~13 for the C one DCP uses (1,200 pieces: 67 ms against 5)."""
+one, checked as it goes: 56-62 us a stored piece against 5-18 for the C one DCP uses (1,200 pieces:
+68 ms against 6; 100,000: 6.2 s against 1.8)."""
 _CHECKED_KEPT = 4
 _CHECKED_LOCK = threading.Lock()
 

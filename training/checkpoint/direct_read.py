@@ -146,10 +146,19 @@ def _layout(zf: Any) -> tuple[_Layout, str]:
         raise ValueError(f"its byteorder record holds {zf.get_record_size(order)} bytes, not a byte order's name")
     if zf.has_record(order) and bytes(zf.get_record(order)).decode(errors="replace") != sys.byteorder:
         raise _NotPlain("another byte order")
-    layout = _LayoutUnpickler(io.BytesIO(bytes(zf.get_record(pkl[0])))).load()
+    layout = _parsed_layout(bytes(zf.get_record(pkl[0])))
+    return layout, f"{prefix}data/{layout.key}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_layout(pkl: bytes) -> _Layout:
+    """A piece's layout from its `data.pkl` (at most _PICKLE_MAX_BYTES): parsed once per distinct pickle,
+    as the pieces of a model's repeated blocks share a few shapes (the restricted unpickler is the
+    pure-Python one: ~50 us a parse). A pickle that is refused is never kept."""
+    layout = _LayoutUnpickler(io.BytesIO(pkl)).load()
     if not isinstance(layout, _Layout):
         raise _NotPlain("not a tensor")
-    return layout, f"{prefix}data/{layout.key}"
+    return layout
 
 
 def _region(layout: _Layout, offsets: Any, lengths: Any) -> tuple[int, int]:

@@ -56,7 +56,30 @@ class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # t
                  buildable: tuple[type, ...] = (), keys: Callable[[Any], bool] = plain_key,
                  what: str = "this file") -> None:
         super().__init__(file)
+        self._file = file
         self._allowed, self._buildable, self._keys, self._what = allowed, buildable, keys, what
+
+    def load(self) -> Any:
+        """The standard library's loop, reading through the file's own methods (a BytesIO's: C) rather
+        than its frame reader's Python ones, a call each opcode: a frame only delimits bytes that follow
+        one another in the file anyway (about a third less time on a DCP `.metadata`)."""
+        self.read, self.readline = self._file.read, self._file.readline
+        self.readinto = self._file.readinto
+        self.metastack, self.stack = [], []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]  # STOP's way out of the loop
+            return stop.value
+
+    def load_frame(self) -> None:
+        self.read(8)  # the frame's size: its bytes are read as they come
 
     def _refuse(self, why: str) -> None:
         raise pickle.UnpicklingError(f"{why}, which {self._what} never does")
@@ -114,6 +137,7 @@ class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # t
     def _unsupported(self) -> None:
         self._refuse("uses an opcode (a set, an extension code, INST or OBJ)")
 
+    dispatch[pickle.FRAME[0]] = load_frame
     dispatch[pickle.BUILD[0]] = load_build
     dispatch[pickle.REDUCE[0]] = load_reduce
     dispatch[pickle.NEWOBJ[0]] = load_newobj
