@@ -610,7 +610,9 @@ def test_dcp_shards_are_written_direct_and_hashed_as_they_go(tmp_path, monkeypat
         written = dcp.write(state, tmp_path, rank=0, group=None, staging=ckpt.staging_buffer(1 << 14))
         monkeypatch.undo()
         shard = tmp_path / "__0_0.distcp"
-        assert written == {"__0_0.distcp": (sha256_file(shard), shard.stat().st_size), ".metadata": None}
+        index = tmp_path / dcp.INDEX_FILE  # rank 0 also writes the metadata as JSON
+        assert written == {"__0_0.distcp": (sha256_file(shard), shard.stat().st_size), ".metadata": None,
+                           index.name: (sha256_file(index), index.stat().st_size)}
         back = {k: torch.zeros_like(v) for k, v in state.items()}
         import torch.distributed.checkpoint as tdcp
 

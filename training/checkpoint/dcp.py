@@ -8,9 +8,9 @@ whole model or optimizer state: the state dicts here are sharded (DTensor) ones.
 
 Only tensors go through DCP: DCP stores any other value pickled and unpickles it at load, so the
 optimizer's parameter groups (learning rate, betas...; JSON values) are written by the manager as
-`optim_groups.json`. DCP's `.metadata` is a pickle too: every read takes it from `dcp_metadata`
-(hashed against what the gate verified, unpickled with DCP's own metadata classes only, every entry
-checked), and every load goes through `load`, whose planner refuses to unpickle a stored value. The
+`optim_groups.json`. DCP's `.metadata` is a pickle too: rank 0 writes it again as Ballast's JSON index
+(dcp_index), and every read takes the metadata from `dcp_metadata` (hashed against what the gate
+verified, built from the index, never unpickled; every entry checked), and every load goes through `load`, whose planner refuses to unpickle a stored value. The
 files join the commit protocol like any other (commit.Writer.adopt).
 Importing this module does not import torch.
 """
@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ballast.training.checkpoint import dcp_index
 from ballast.training.checkpoint.commit import DCP_METADATA, share_of
+from ballast.training.checkpoint.dcp_index import INDEX_FILE
 from ballast.training.checkpoint.dcp_metadata import read_metadata
 from ballast.training.checkpoint.fileio import expected_bytes, load_tensors, open_file, staging_buffer
 from ballast.training.failure import CheckpointFailure
@@ -58,7 +60,7 @@ def groups_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
           staging: Any = None) -> dict[str, tuple[str, int] | None]:
     """DCP save of `state` into `directory` (collective over `group`): the files this rank wrote (its
-    shards; rank 0 also the metadata), each with its sha256 and size where they were hashed as DCP wrote
+    shards; rank 0 also the metadata and its JSON index), each with its sha256 and size where they were hashed as DCP wrote
     them (the shards: the commit protocol need not read them back), for the manifest. `staging`: the
     page-aligned buffer the shards go to disk through (fileio.staging_buffer; the saver reuses one).
 
@@ -83,9 +85,14 @@ def write(state: dict[str, Any], directory: Path, *, rank: int, group: Any,
     # every file for a scalar each (what a node of several fetches from storage: `needed_files`).
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with config.patch({"save.compute_crc32": False}):
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
+        meta = dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
     names = sorted(p.name for p in Path(directory).glob(f"__{rank}_*.distcp"))
-    return {**{n: digests.get(n) for n in names}, **({DCP_METADATA: None} if rank == 0 else {})}
+    if rank != 0:
+        return {n: digests.get(n) for n in names}
+    # The metadata rank 0 just wrote as DCP's pickle, also as Ballast's JSON index: what loads read.
+    with writer.fs.create_stream(Path(directory) / INDEX_FILE, "wb") as out:
+        out.write(dcp_index.encode(meta))
+    return {**{n: digests.get(n) for n in names}, DCP_METADATA: None, INDEX_FILE: digests[INDEX_FILE]}
 
 
 def _hashing_file_system(digests: dict[str, tuple[str, int]], staging: Any = None, shard_bytes: int = 0) -> Any:

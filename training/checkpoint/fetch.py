@@ -19,7 +19,6 @@ from typing import Any
 
 from ballast.training.checkpoint import dcp
 from ballast.training.checkpoint.commit import DCP_METADATA, MANIFEST, SHARD_SUFFIX, held_files
-from ballast.training.checkpoint.fileio import sha256_file
 from ballast.training.failure import CheckpointFailure
 
 FETCH_MARGIN_SECONDS = 30.0
@@ -40,7 +39,7 @@ class NodeFetch:
         copied from storage by one rank per directory (the launcher's `fetch` command, which checks each
         against the manifest). First every file but the shard files (a node's own save lacks rank 0's
         metadata and trainer state), then the shard files each rank's load reads (DCP's load plan of its
-        shards, from the `.metadata` whose sha256 matched the manifest first; every file of a checkpoint
+        shards, from the metadata whose sha256 matches the manifest's; every file of a checkpoint
         that is not sharded). Returns why it could not be done (the same on every rank), or None."""
         import socket
 
@@ -53,9 +52,7 @@ class NodeFetch:
                     return {f for f in files if not f.endswith(SHARD_SUFFIX)}, None
                 if DCP_METADATA not in files:
                     return set(files), None
-                meta = files[DCP_METADATA]
-                if sha256_file(path / DCP_METADATA) != meta["sha256"]:
-                    raise CheckpointFailure(f"{path / DCP_METADATA}: sha256 does not match the manifest")
+                # the metadata's bytes held to the manifest's sha256 as they are read (dcp_metadata)
                 return dcp.needed_files(self.model, self.optimizer, path), None
             except CheckpointFailure as exc:
                 return set(), str(exc)
