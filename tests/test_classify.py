@@ -36,7 +36,7 @@ TABLE = [
     (dict(rc=1, record=None, log_tail=GLOO), "communication", "log"),
     (dict(rc=73, record=None), "oom", "exit"),
     (dict(rc=-15, record=None), "preempted", "exit"),
-    (dict(rc=-9, record=None), "unknown", "exit"),
+    (dict(rc=-9, record=None), "lost", "exit"),
     (dict(rc=None, record=None), "unknown", "exit"),
 ]
 
@@ -79,5 +79,6 @@ def test_the_platforms_words_are_the_tables_and_name_failure_classes():
 
     assert set(PLATFORM_ENDINGS.values()) <= set(FAILURE_CLASSES)
     assert [platform_class("slurm", w) for w in ("OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "FAILED", None)] == \
-        ["oom", "preempted", "hardware", None, None]
+        ["oom", "preempted", "lost", None, None]
     assert platform_class("kubernetes", "DeletionByTaintManager") == "hardware"
+    assert platform_class("kubernetes", "NodeLost") == platform_class("kubernetes", "DeletionByPodGC") == "lost"

@@ -52,7 +52,7 @@ REAL = [
     ("RuntimeError: CUDA error: system not yet initialized" + CUDA_TAIL, "hardware", "system not yet initialized"),
     ("slurmstepd: error: *** JOB 1234 ON gpu-017 CANCELLED AT 2024-05-01T10:00:00 DUE TO NODE FAILURE, SEE"
      " SLURMCTLD LOG FOR DETAILS ***",
-     "hardware", "Slurm node failure"),
+     "lost", "Slurm node failure"),
     # oom
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15"
      " GiB of which 1.23 GiB is free. Including non-PyTorch memory, this process has 77.91 GiB memory in use. Of"
@@ -231,7 +231,10 @@ def test_the_root_cause_wins_over_what_it_causes_in_other_ranks():
 
 
 def test_classes_exit_codes_and_retries():
-    assert set(tf.EXIT_CODES) == set(tf.FAILURE_CLASSES) - {"unknown"}
+    from ballast.training.failure_classes import ORCHESTRATOR_CLASSES
+
+    assert set(tf.EXIT_CODES) == set(tf.FAILURE_CLASSES) - ORCHESTRATOR_CLASSES == set(tf.FAILURE_CLASSES) - {
+        "unknown", "lost"}
     assert tf.EXIT_CODES["hardware"] == 74 and "unknown" not in tf.EXIT_CODES
     assert len(set(tf.EXIT_CODES.values())) == len(tf.EXIT_CODES)
 
@@ -261,7 +264,8 @@ def test_a_hardware_failure_record_says_so(tmp_path):
 ECC = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
 CLOSED = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.2]:23456"
 RECORD = {"class": "oom", "rank": 1, "step": 40, "exception": "OutOfMemoryError: CUDA out of memory."}
-SIGKILL_REASON = "SIGKILL (-9) with no failure record: the kernel OOM killer, or killed from outside"
+SIGKILL_REASON = ("SIGKILL (-9) with no failure record and no OOM kill reported: killed from outside, or its node"
+                  " lost")
 
 
 @pytest.mark.parametrize("kwargs,cls,reason", [
@@ -278,17 +282,17 @@ SIGKILL_REASON = "SIGKILL (-9) with no failure record: the kernel OOM killer, or
           log_tail=CLOSED), "user_code", "failure record: class user_code on rank 0 at step 7"),
     (dict(returncode=1, record={"class": "data", "rank": 0, "step": None}, log_tail=ECC), "data",
      "failure record: class data on rank 0"),
-    (dict(returncode=-9, record=None), "unknown", SIGKILL_REASON),
+    (dict(returncode=-9, record=None), "lost", SIGKILL_REASON),
     # Rank 0 SIGKILLed (no record); rank 1 then records the reset connection: the kill is the cause.
     (dict(returncode=1, record={"class": "communication", "rank": 1, "step": 34},
           log_tail="E1203 15:58:17.025000 11173 torch/distributed/elastic/multiprocessing/api.py:836] failed"
-                   " (exitcode: -9) local_rank: 0 (pid: 11186) of fn: worker (start_method: forkserver)"), "unknown",
+                   " (exitcode: -9) local_rank: 0 (pid: 11186) of fn: worker (start_method: forkserver)"), "lost",
      "rank 0 ended by SIGKILL without a failure record; the communication failure on rank 1 at step 34 followed"
      " from it"),
     (dict(returncode=137, record=None, log_tail="Process terminated by signal. Likely out of memory error (OOM)."),
-     "unknown", "SIGKILL (137) with no failure record: the kernel OOM killer, or killed from outside"),
+     "lost", "SIGKILL (137) with no failure record and no OOM kill reported: killed from outside, or its node lost"),
     (dict(returncode=1, record=None, log_tail="E0501 torch/distributed/elastic/multiprocessing/api.py:869] failed"
-          " (exitcode: -9) local_rank: 0 (pid: 88) of binary: /usr/bin/python3"), "unknown",
+          " (exitcode: -9) local_rank: 0 (pid: 88) of binary: /usr/bin/python3"), "lost",
      "torchrun reports a worker's " + SIGKILL_REASON),
     (dict(returncode=-9, record=None, oom_killed=True), "oom", "the backend reports the OOM killer ended it"),
     (dict(returncode=-9, record=None, hung=True, log_tail=CLOSED), "hang",

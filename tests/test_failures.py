@@ -151,7 +151,7 @@ def test_training_failures_are_translated_once_by_class(failure, error, retried)
 
 @pytest.mark.unit
 @pytest.mark.parametrize("cls,retried", [("user_code", False), ("oom", True), ("communication", True),
-                                         ("hang", True), ("unknown", True)])
+                                         ("hang", True), ("lost", True), ("unknown", True)])
 def test_launch_failures_are_retried_by_class(cls, retried):
     assert _retried(errors.training_error("training failed", cls)) is retried
 

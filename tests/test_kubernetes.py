@@ -304,9 +304,9 @@ REASONS = [
         ("DisruptionTarget", "DeletionByTaintManager", "Taint manager: deleting due to NoExecute taint")]),
      "hardware", "DeletionByTaintManager"),
     ("pod gc", pod_with("Failed", conditions=[
-        ("DisruptionTarget", "DeletionByPodGC", "PodGC: node no longer exists")]), "hardware", "DeletionByPodGC"),
+        ("DisruptionTarget", "DeletionByPodGC", "PodGC: node no longer exists")]), "lost", "DeletionByPodGC"),
     ("node lost", pod_with("Unknown", reason="NodeLost", message="Node gpu-3 which was running pod is unresponsive"),
-     "hardware", "NodeLost"),
+     "lost", "NodeLost"),
     ("class exit code", pod_with("Failed", exit_code=73, term_reason="Error"), None, "Error"),
     ("deadline", pod_with("Failed", reason="DeadlineExceeded", message="Pod was active on the node longer than"
                                                                       " the specified deadline"),

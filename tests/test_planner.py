@@ -74,14 +74,22 @@ def test_ratio_matches_a_simulated_run():
 def test_retry_ceiling_and_poisson_odds():
     from ballast.spec import RecoverySpec
 
-    # Random failures end as unknown (1), hardware (2), communication (2) or hang (2): 7 retries.
-    assert planner.retry_ceiling(RecoverySpec()) == 7
-    assert planner.retry_ceiling(RecoverySpec(max_restarts=1)) == 15  # 8 tries x 2 groups each, less one
-    assert planner.retry_ceiling(RecoverySpec(retries=2)) == 2  # the task's ceiling caps the budgets
-    assert planner.retry_ceiling(RecoverySpec.model_validate({"policy": {"unknown": 4, "hardware": 0}})) == 8
+    # The default budgets of the random failures' classes have no count: bounded an hour, the tightest
+    # (hardware, hang: 6 tries an hour) taken for all, each try absorbing torchrun's 3 restarts.
+    assert planner.retry_ceiling(RecoverySpec()) is None
+    assert planner.hourly_ceiling(RecoverySpec()) == (6 + 1) * (1 + 3) - 1
+    assert planner.hourly_ceiling(RecoverySpec(max_restarts=0)) == 6
+    assert planner.retry_ceiling(RecoverySpec(retries=2)) == 3 * 4 - 1  # the task's ceiling caps the tries
+    counted = RecoverySpec.model_validate({"max_restarts": 0, "policy": {
+        "lost": 2, "hardware": 1, "communication": 1, "hang": 1, "unknown": 4}})
+    assert planner.retry_ceiling(counted) == 9 and planner.hourly_ceiling(counted) is None
     mean = 3.0
     assert planner.p_more_than(mean, 2) == pytest.approx(1 - math.exp(-mean) * (1 + mean + mean**2 / 2))
     assert planner.p_more_than(0.0, 0) == 0.0
+    # Over a run: more than the count in the whole run, or more than the hourly bound in one of its hours.
+    assert planner.p_exhaust(counted, 0.5, 10) == pytest.approx(planner.p_more_than(5.0, 9))
+    p_hour = planner.p_more_than(2.0, 27)
+    assert planner.p_exhaust(RecoverySpec(), 2.0, 720) == pytest.approx(1 - (1 - p_hour) ** 720)
 
 
 def test_measured_costs_reads_a_report_or_its_directory(tmp_path):
@@ -99,15 +107,29 @@ def test_cli_prints_the_figures_and_writes_json(gpus, mttf, tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", SPEC, "--gpus", str(gpus), "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert f"MTTF {mttf:g} h at {gpus:,} GPUs" in text and "(assumed)" in text and "WARNING" in text
+    assert f"MTTF {mttf:g} h at {gpus:,} GPUs" in text and "(assumed)" in text
     figures = json.loads(out.read_text())
     assert figures["mttf_hours"] == pytest.approx(mttf)
     assert figures["failures_per_day"] == pytest.approx(24 / mttf)
-    assert figures["retry_ceiling"] == 7  # digits: budgets unknown 1 + hardware 2 + communication 2 + hang 2
+    # digits: no count on the random failures' classes; hardware and hang 6 tries an hour, 3 restarts each
+    assert figures["retry_ceiling"] is None and figures["hourly_retry_ceiling"] == 27
     assert figures["spec_interval_seconds"] == 3600.0
     assert figures["optimal_ratio"] > figures["spec_ratio"]
-    expected = planner.p_more_than(24 / mttf, 7)
-    assert figures["p_exhaust_retries"] == pytest.approx(expected) and figures["warn"] is (expected > 0.01)
+    p_hour = planner.p_more_than(1 / mttf, 27)
+    expected = 1 - (1 - p_hour) ** figures["run_hours"]
+    assert figures["p_exhaust_retries"] == pytest.approx(expected) and not figures["warn"] and "WARNING" not in text
+
+
+def test_cli_warns_when_the_budgets_would_end_the_run(tmp_path, capsys):
+    import yaml
+
+    spec = yaml.safe_load(Path(SPEC).read_text())
+    spec["recovery"] = {"max_restarts": 0, "policy": {c: 1 for c in ("lost", "hardware", "communication", "hang")}}
+    f = tmp_path / "counted.yaml"
+    f.write_text(yaml.safe_dump(spec))
+    assert main(["plan", str(f), "--gpus", "16384"]) == 0
+    text = capsys.readouterr().out
+    assert "retry ceiling     5 failures;" in text and "WARNING" in text and "per_hour" in text
 
 
 def test_cli_flags_and_measured_run_set_the_costs(tmp_path, capsys):

@@ -21,11 +21,12 @@ from helpers import example_data, run_spec_dag
 
 
 def _fast(d: dict, faults: list[dict], **recovery) -> None:
-    """A short training (4 epochs, a checkpoint every 10 steps), the faults armed, no retry delays."""
+    """A short training (4 epochs, a checkpoint every 10 steps), the faults armed, no retry delays, no
+    group restarts inside a try (each fault ends its try, as these tests count tries)."""
     d["training"].update(epochs=4, checkpoint={"every_steps": 10, "keep_last": 5},
                          rehearsal={"faults": faults})
     d["evaluation"].update(threshold=None, patience=10)
-    d["recovery"] = {"retry_delay_seconds": 0, **recovery}
+    d["recovery"] = {"retry_delay_seconds": 0, "max_restarts": 0, **recovery}
     d["schedule"] = {}
 
 
@@ -106,7 +107,7 @@ def test_a_user_error_fails_at_once_and_a_corrupted_checkpoint_is_quarantined(ai
     assert str(dr.state) == "failed"
     assert _task_states(dr)["train"] == ("failed", 2)  # the bug is not retried (user_code budget 0)
     tries = history.load(ctx, "train").attempts
-    assert [a.failure_class for a in tries] == ["unknown", "user_code"]  # a SIGKILL without a record: unknown
+    assert [a.failure_class for a in tries] == ["lost", "user_code"]  # a SIGKILL without a record: a lost rank
     # The newest committed checkpoint at step 35, step 30's (the fault waits for the save in flight), was
     # damaged on disk; the next try's gate moved it aside and resumed from the one before (the epoch end).
     quarantined = list((ctx.work_dir / "checkpoints" / "quarantine").iterdir())
@@ -140,15 +141,77 @@ def test_the_policy_is_the_one_writer_of_a_tasks_failures_and_an_unseen_try_coun
         def set(self, key, value):
             self[key] = value
 
+    def classes(store):
+        return {k: v["class"] for k, v in store[FAILURES_KEY].items()}
+
     store = Store()
     policy = StageRetryPolicy({"policy": {"oom": {"retries": 1}}}, "train")
-    policy.evaluate(LaunchError("x", failure_class="oom"), 1, 5, {"task_state_store": store})
-    assert store[FAILURES_KEY] == {"1": "oom"}
+    exc = LaunchError("x", failure_class="oom")
+    exc.step_reached = 17  # what the train stage adds from the try's record
+    policy.evaluate(exc, 1, 5, {"task_state_store": store})
+    assert classes(store) == {"1": "oom"} and store[FAILURES_KEY]["1"]["step"] == 17
     # The next try finds try 1 unrecorded: the policy's class stands, and the budget is as the policy left it.
-    assert decide_unseen(policy.recovery, store, 1, "unknown").retry and store[FAILURES_KEY] == {"1": "oom"}
+    assert decide_unseen(policy.recovery, store, 1, "lost").retry and classes(store) == {"1": "oom"}
     # Try 2's task process was killed: counted now, and over oom's budget of 1.
-    assert not decide_unseen(policy.recovery, store, 2, "oom").retry and store[FAILURES_KEY] == {"1": "oom", "2": "oom"}
+    assert not decide_unseen(policy.recovery, store, 2, "oom").retry and classes(store) == {"1": "oom", "2": "oom"}
     assert decide_unseen(policy.recovery, None, 1, "preempted").retry  # outside a task: decided, nothing kept
+    # A store written before failures carried their time and step (bare classes) still counts.
+    old = Store({FAILURES_KEY: {"1": "oom"}})
+    assert not decide_unseen(policy.recovery, old, 2, "oom").retry
+
+
+def _failures(*entries) -> dict:
+    """The store's failures from (class, seconds ago, step reached) per try, try 1 first."""
+    return {str(i): {"class": c, "at": 1_000_000.0 - ago, "step": step} for i, (c, ago, step) in enumerate(entries, 1)}
+
+
+@pytest.mark.unit
+def test_the_infrastructures_classes_have_no_count_but_a_rate_an_hour():
+    rec = RecoverySpec()
+    assert rec.of("lost").retries is None and rec.of("lost").per_hour == 30
+    # 100 lost ranks over ~4 days, each try training further: every one retried.
+    spread = _failures(*[("lost", 3600 * (99 - i), 100 * (i + 1)) for i in range(100)])
+    d = decide(rec, "lost", spread, try_number=100, now=1_000_000.0)
+    assert d.retry and d.delay_seconds == 0 and "lost rank failure 100 in this task, at most 30 an hour" in d.reason
+    # 31 within the last hour (counted by hand: one every 100 s), still training further each time: over.
+    fast = _failures(*[("lost", 100.0 * (30 - i), 10 * (i + 1)) for i in range(31)])
+    d = decide(rec, "lost", fast, try_number=31, now=1_000_000.0)
+    assert not d.retry and "31 lost rank failures within the last hour, over the 30 allowed" in d.reason
+    assert "recovery.policy.lost.per_hour" in d.reason
+    # Those older than an hour do not count: the same 31, the first 3,700 s ago.
+    fast["1"]["at"] = 1_000_000.0 - 3700
+    assert decide(rec, "lost", fast, try_number=31, now=1_000_000.0).retry
+    # A class with a count keeps it; a user's count on an infrastructure class adds to its rate.
+    assert not decide(rec, "user_code", _failures(("user_code", 0, 5)), try_number=1).retry
+    counted = RecoverySpec.model_validate({"policy": {"preempted": 2}})
+    assert counted.of("preempted").per_hour == 30
+    assert not decide(counted, "preempted", _failures(*[("preempted", 9000 * i, 10 * i) for i in (3, 2, 1)]),
+                      try_number=3, now=1_000_000.0).retry
+
+
+@pytest.mark.unit
+def test_tries_that_stop_advancing_fail_the_task_after_stalled_tries():
+    rec = RecoverySpec()  # stalled_tries: 3
+    # Steps reached 500, then 480, 500, 300: three tries in a row none past 500.
+    stuck = _failures(("lost", 4000, 500), ("hang", 3000, 480), ("lost", 2000, 500), ("communication", 1000, 300))
+    d = decide(rec, "communication", stuck, try_number=4, now=1_000_000.0)
+    assert not d.retry and "the last 3 tries made no progress (none trained past step 500)" in d.reason
+    assert "recovery.stalled_tries" in d.reason
+    # One of them past 500 resets the count; a try that died before its first step made none.
+    stuck["3"]["step"] = 501
+    assert decide(rec, "communication", stuck, try_number=4, now=1_000_000.0).retry
+    never = _failures(("lost", 300, None), ("lost", 200, None), ("lost", 100, None))
+    d = decide(rec, "lost", never, try_number=3, now=1_000_000.0)
+    assert not d.retry and "none trained at all" in d.reason
+    assert decide(RecoverySpec(stalled_tries=4), "lost", never, try_number=3, now=1_000_000.0).retry
+
+
+@pytest.mark.unit
+def test_a_class_without_a_count_needs_a_rate():
+    d = example_data()
+    d["recovery"] = {"policy": {"hang": {"retries": None, "per_hour": None}}}
+    with pytest.raises(SpecError, match=r"bad\.yaml: recovery\.policy\.hang\.retries: null needs per_hour \(a class with no count"):
+        parse_spec(d, source="bad.yaml")
 
 
 @pytest.mark.unit
@@ -169,13 +232,16 @@ def test_bad_recovery_policies_are_one_line_errors(recovery, pattern):
 @pytest.mark.parametrize("rehearsal,pattern", [
     ({"faults": [{"kind": "crash", "step": 500}], "max_steps": 100},
      r"training\.rehearsal\.faults\[0\]\.step: 500 is past the end of training \(max_steps 100\)"),
-    ({"faults": [{"kind": "crash", "step": 5, "on_try": 30}]},
+    ({"faults": [{"kind": "crash", "step": 5, "on_try": 30}], "recovery": {"retries": 16}},
      r"training\.rehearsal\.faults\[0\]\.on_try: try 30 never comes: the train task has at most 17 tries"),
     ({"faults": [{"kind": "crash"}]}, r"training\.rehearsal\.faults\[0\]\.step: give a fault either a step or seconds"),
     ({"faults": [{"kind": "melt", "step": 3}]}, r"training\.rehearsal\.faults\[0\]\.kind: must be one of"),
 ])
 def test_bad_rehearsal_faults_are_one_line_errors(rehearsal, pattern):
     d = example_data()
+    rehearsal = dict(rehearsal)
+    if "recovery" in rehearsal:  # a count on every class: the task's tries are bounded
+        d["recovery"] = rehearsal.pop("recovery")
     d["training"]["rehearsal"] = rehearsal
     with pytest.raises(SpecError, match=pattern):
         parse_spec(d, source="bad.yaml")

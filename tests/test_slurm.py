@@ -81,7 +81,7 @@ def test_the_batch_script_quotes_every_value_and_the_options_are_arguments(tmp_p
 @pytest.mark.parametrize("fields,cls", [
     ("JobId=7 JobState=OUT_OF_MEMORY Reason=OutOfMemory ExitCode=0:125 NodeList=n1 BatchHost=n1", "oom"),
     ("JobId=7 JobState=PREEMPTED Reason=None ExitCode=0:15 NodeList=n[1-2] BatchHost=n1", "preempted"),
-    ("JobId=7 JobState=NODE_FAIL Reason=NodeDown ExitCode=0:0 NodeList=n3 BatchHost=n1", "hardware"),
+    ("JobId=7 JobState=NODE_FAIL Reason=NodeDown ExitCode=0:0 NodeList=n3 BatchHost=n1", "lost"),
     ("JobId=7 JobState=TIMEOUT Reason=TimeLimit ExitCode=0:15 NodeList=n1 BatchHost=n1", "preempted"),
     ("JobId=7 JobState=FAILED Reason=NonZeroExitCode ExitCode=74:0 NodeList=n1 BatchHost=n1", None),
 ])

@@ -41,9 +41,15 @@ def test_the_old_name_cache_stages_is_read_with_a_deprecation_notice(tmp_path, c
 def test_defaults_come_from_the_seed_documents():
     spec = parse_spec({**example_data(), "recovery": {}, "evaluation": {"metric": "accuracy"}})
     assert spec.recovery.of("oom").retries == 3  # out-of-memory retried at most 3 times
-    assert spec.recovery.of("preempted").retries == 5 and spec.recovery.of("preempted").delay(1, 30) == 0
+    # preemptions are the cloud's weather: no count, no delay, at most 30 an hour
+    assert spec.recovery.of("preempted").retries is None and spec.recovery.of("preempted").per_hour == 30
+    assert spec.recovery.of("preempted").delay(1, 30) == 0
     assert spec.recovery.of("data").retries == 0 and spec.recovery.of("config").retries == 0
-    assert spec.recovery.ceiling == 3 + 5 + 2 + 2 + 2 + 1 + 1  # the task's retries: what the budgets imply
+    assert spec.recovery.ceiling == 10_000  # classes without a count: the policy ends the task, not Airflow
+    assert spec.recovery.model_copy(update={"retries": 12}).ceiling == 12
+    counted = parse_spec({**example_data(), "recovery": {"policy": {c: 2 for c in (
+        "lost", "preempted", "hardware", "communication", "hang")}}}).recovery
+    assert counted.ceiling == 5 * 2 + 3 + 1 + 1  # the budgets' sum (oom 3, divergence 1, unknown 1)
     assert spec.evaluation.patience == 3
     assert spec.training.checkpoint.every_seconds == 3600
     assert spec.training.grad_clip_norm == 1.0

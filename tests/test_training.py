@@ -216,7 +216,7 @@ def test_checkpoint_recorded_model_rebuilds_the_model_without_the_spec(tmp_path)
 def test_launch_specs_are_pure_functions():
     spec = load_spec(EXAMPLE_SPEC)
     argv = torchrun_argv(spec, "/run/cfg.json", python="/py")
-    assert argv == ["/py", "-m", "ballast.training.torchrun", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+    assert argv == ["/py", "-m", "ballast.training.torchrun", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=3",
                     "--monitor-interval=0.1", "--standalone", "--module", "ballast.training", "--config", "/run/cfg.json"]
     multi = parse_spec({**example_data(), "training": {**example_data()["training"], "nodes": 2, "global_batch_size": 128},
                         "execution": {"backend": "slurm", "slurm": {"partition": "debug"}}})

@@ -15,11 +15,13 @@ worker fails, so the orchestrator reads the record, not torchrun's exit status.
 | hardware      | 74   | yes          | uncorrectable ECC error, GPU off the bus       |
 | preempted     | 75   | yes          | SIGTERM (spot reclaim, node drain)             |
 | hang          | 76   | yes          | no progress for the hang timeout               |
-| unknown       | -    | yes          | no record and nothing known in the log         |
+| lost          | -    | yes          | a rank SIGKILLed from outside, a node gone     |
+| unknown       | -    | once         | no record and nothing known in the log         |
 
-The last column is the spec's default `recovery.policy` (the retry policy decides; the record only
-names the class). `unknown` has no exit code: no trainer exits with it; it is what the
-orchestrator concludes when nothing else matches (`training.failure_patterns.classify_exit`, the one
+The third column is the spec's default `recovery.policy` (the retry policy decides; the record only
+names the class). `lost` and `unknown` have no exit code: no trainer exits with them; they are what
+the orchestrator concludes: `lost` when a rank or the try's process ended without a record and
+nothing (the platform, the kernel's OOM kill) says why, `unknown` when nothing else matches (`training.failure_patterns.classify_exit`, the one
 place that decides a try's class), and retries. Both sides read exception texts and log lines through one
 pattern table, `training.failure_patterns`; the classes and codes themselves are `training.failure_classes`.
 """

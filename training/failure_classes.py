@@ -17,8 +17,12 @@ EXIT_CODES: dict[str, int] = {
     "preempted": 75,
     "hang": 76,
 }
-# The one list of failure classes: the trainer's (EXIT_CODES) and the orchestrator's `unknown`.
-FAILURE_CLASSES: tuple[str, ...] = ("oom", "preempted", "hang", "communication", "hardware", "data", "divergence",
-                                    "config", "user_code", "unknown")
+# The one list of failure classes: the trainer's (EXIT_CODES) and the orchestrator's own conclusions,
+# which no trainer exits with: `lost` (a rank or the try's process ended without a record: SIGKILL from
+# outside, a node gone) and `unknown` (nothing known at all).
+FAILURE_CLASSES: tuple[str, ...] = ("oom", "preempted", "hang", "communication", "hardware", "lost", "data",
+                                    "divergence", "config", "user_code", "unknown")
+ORCHESTRATOR_CLASSES = frozenset({"lost", "unknown"})
+"""Classes the orchestrator concludes from what it sees (no exit code: no trainer records them)."""
 CANCELLED = "cancelled"
 """Not a failure class: the orchestrator stopped the process itself (task cancelled, run marked failed)."""

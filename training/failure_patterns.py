@@ -86,7 +86,7 @@ PATTERNS: tuple[Pattern, ...] = (
       r"CUDA-capable devices? ?(?:\(s\) is/are|are) busy or unavailable"),
     P("hardware", "torch", "no CUDA GPU visible", r"No CUDA GPUs are available|no CUDA-capable device is detected"),
     P("hardware", "cuda", "system not yet initialized", r"CUDA error: system not yet initialized"),  # NVSwitch fabric
-    P("hardware", "slurm", "Slurm node failure", r"CANCELLED AT \S+ DUE TO NODE FAILURE"),
+    P("lost", "slurm", "Slurm node failure", r"CANCELLED AT \S+ DUE TO NODE FAILURE"),
     # oom: device or host memory, or shared memory; a retry with a smaller micro-batch may pass
     P("oom", "torch", "CUDA out of memory", r"OutOfMemoryError|CUDA out of memory"),
     P("oom", "cuda", "CUDA error: out of memory", r"CUDA error: out of memory"),
@@ -152,16 +152,17 @@ PLATFORM_ENDINGS: dict[tuple[str, str], str] = {
     # came up; CANCELLED by someone other than Ballast (an administrator): the work was taken away.
     ("slurm", "OUT_OF_MEMORY"): "oom", ("slurm", "PREEMPTED"): "preempted", ("slurm", "TIMEOUT"): "preempted",
     ("slurm", "DEADLINE"): "preempted", ("slurm", "CANCELLED"): "preempted",
-    ("slurm", "NODE_FAIL"): "hardware", ("slurm", "BOOT_FAIL"): "hardware",
+    ("slurm", "NODE_FAIL"): "lost", ("slurm", "BOOT_FAIL"): "hardware",
     # Kubernetes: a container's terminated reason, a pod's reason or phase, a DisruptionTarget condition's
     # reason. Evictions, drains, preemption, a graceful node shutdown and the try's deadline took the work
-    # from a healthy job; a NoExecute taint, a pod whose node is gone, a node that stopped reporting: hardware.
+    # from a healthy job; a NoExecute taint: hardware; a pod whose node is gone, a node that stopped
+    # reporting: lost (the ranks there ended without a word).
     ("kubernetes", "OOMKilled"): "oom", ("kubernetes", "Evicted"): "preempted",
     ("kubernetes", "DeadlineExceeded"): "preempted", ("kubernetes", "DisruptionTarget"): "preempted",
     ("kubernetes", "PreemptionByScheduler"): "preempted", ("kubernetes", "EvictionByEvictionAPI"): "preempted",
     ("kubernetes", "TerminationByKubelet"): "preempted", ("kubernetes", "DeletionByTaintManager"): "hardware",
-    ("kubernetes", "DeletionByPodGC"): "hardware", ("kubernetes", "NodeLost"): "hardware",
-    ("kubernetes", "Unknown"): "hardware",
+    ("kubernetes", "DeletionByPodGC"): "lost", ("kubernetes", "NodeLost"): "lost",
+    ("kubernetes", "Unknown"): "lost",
 }
 """(platform, its own word for how a job or pod ended) -> failure class: the platform's half of the table,
 read by `ballast.launch.slurm.status` and `ballast.launch.kubernetes.status`; `classify_exit` weighs what it gives against
@@ -176,7 +177,7 @@ def platform_class(platform: str, word: str | None) -> str | None:
 _LABELS = {"cuda": "CUDA", "nccl": "NCCL", "xid": "NVIDIA driver", "slurm": "Slurm", "kubernetes": "Kubernetes"}
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")  # torchrun: "failed (exitcode: -9) local_rank: 0 ..."
 _WORKER_SIGNALLED = re.compile(r"exitcode\s*:\s*(-\d+)\)?\s*local_rank\s*:\s*(\d+)")
-PLATFORM_OVER_RECORD = frozenset({"oom", "hardware", "preempted"})
+PLATFORM_OVER_RECORD = frozenset({"oom", "hardware", "preempted", "lost"})
 """Platform endings that replace a failure record's class: the node's memory, the node itself or the
 scheduler ended the try, and the ranks' records are what they saw of it."""
 SECONDARY = frozenset({"communication", "hang"})
@@ -249,7 +250,7 @@ def classify_exit(returncode: int | None, *, record: dict | None, log_tail: str 
             # The record is what a peer saw: the rank that died first died of a signal, writing nothing.
             rank, code = killed
             sig = _signal_name(code)
-            first = "preempted" if sig == "SIGTERM" else "unknown"
+            first = "preempted" if sig == "SIGTERM" else "lost"
             return Outcome(first, f"rank {rank} ended by {sig or code} without a failure record; the {cls} failure"
                                   f"{where} followed from it", by="record")
         if cls in ("user_code", "unknown"):
@@ -274,9 +275,9 @@ def classify_exit(returncode: int | None, *, record: dict | None, log_tail: str 
     if code is None:
         return Outcome("unknown", "no exit status and no failure record", by="exit")
     sig = _signal_name(code)
-    if sig == "SIGKILL":
-        return Outcome("unknown", f"{via}SIGKILL ({code}) with no failure record: the kernel OOM killer, or killed"
-                                  f" from outside", by="exit")
+    if sig == "SIGKILL":  # the backend's OOM kill was weighed above: killed from outside, or its node went
+        return Outcome("lost", f"{via}SIGKILL ({code}) with no failure record and no OOM kill reported: killed"
+                               f" from outside, or its node lost", by="exit")
     if sig == "SIGTERM":
         return Outcome("preempted", f"{via}SIGTERM ({code}) with no failure record: preempted or drained from outside",
                        by="exit")

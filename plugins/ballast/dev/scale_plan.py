@@ -33,9 +33,9 @@ REF_HOURS, REF_GPUS = 7.9, 1024  # Meta RSC, Kokolis et al. 2024
 ALPHA = math.log(7.9 / 1.8) / math.log(16384 / 1024)
 ASSUMED_SAVE_SECONDS, ASSUMED_RESTART_SECONDS = 1.0, 60.0
 WARN_EXHAUST = 0.01
-# What random failures at scale end a try with: a node lost (no failure record: unknown), a GPU or host
-# fault, a broken link, a stuck collective.
-RANDOM_FAILURE_CLASSES = ("unknown", "hardware", "communication", "hang")
+# What random failures at scale end a try with: a rank or node lost (no failure record), a GPU or host
+# fault, a broken link, a stuck collective, a record-less ending nothing explains.
+RANDOM_FAILURE_CLASSES = ("lost", "hardware", "communication", "hang", "unknown")
 
 
 class PlanError(BallastError):
@@ -146,13 +146,42 @@ def optimal_interval(mttf_seconds: float, save_seconds: float) -> float:
 # --- retries ---------------------------------------------------------------------------------------------
 
 
-def retry_ceiling(recovery: Any) -> int:
+def retry_ceiling(recovery: Any) -> int | None:
     """Random failures a run survives: its tries (1 + the budgets of the classes a lost node, a crashed
     rank or a bad link end with, capped by the task's retry ceiling) times (1 + torchrun restarts per
-    try), less one."""
-    budget = sum(recovery.of(c).retries for c in RANDOM_FAILURE_CLASSES)
+    try), less one. None where those classes have no count (`retries: null`: bounded per hour,
+    `hourly_ceiling`) and the task's `recovery.retries` sets none."""
+    counts = [recovery.of(c).retries for c in RANDOM_FAILURE_CLASSES]
+    if None in counts and recovery.retries is None:
+        return None
+    budget = sum(n if n is not None else recovery.ceiling for n in counts)
     tries = 1 + min(budget, recovery.ceiling)
     return tries * (1 + recovery.max_restarts) - 1
+
+
+def hourly_ceiling(recovery: Any) -> int | None:
+    """Random failures within one hour a run survives where their classes are bounded per hour: the
+    tightest class's tries an hour (per_hour, plus the try that goes on), each absorbing torchrun's
+    restarts, less one (a conservative figure: every failure counted against the tightest class)."""
+    rates = [recovery.of(c).per_hour for c in RANDOM_FAILURE_CLASSES if recovery.of(c).retries is None]
+    if not rates:
+        return None
+    return (int(min(rates)) + 1) * (1 + recovery.max_restarts) - 1
+
+
+def p_exhaust(recovery: Any, failures_per_hour: float, hours: float) -> float:
+    """The chance that random failures (Poisson, `failures_per_hour`) end a run of `hours` through its
+    recovery budgets: more than `retry_ceiling` in the run, or more than `hourly_ceiling` in one of its
+    hours (the hours taken as independent windows)."""
+    p = 0.0
+    ceiling = retry_ceiling(recovery)
+    if ceiling is not None:
+        p = p_more_than(failures_per_hour * hours, ceiling)
+    hourly = hourly_ceiling(recovery)
+    if hourly is not None:
+        p_hour = p_more_than(failures_per_hour, hourly)
+        p = 1.0 - (1.0 - p) * (1.0 - p_hour) ** max(1.0, hours)
+    return p
 
 
 def p_more_than(mean: float, k: int) -> float:
@@ -178,7 +207,8 @@ def make_plan(spec: Any, gpus: int, mttf_hours: float, model: str, costs: Costs,
     elif ckpt.every_steps is not None:
         how = f"every_seconds; every_steps {ckpt.every_steps} not counted: give --step-seconds"
     best = optimal_interval(m, c)
-    ceiling, mean = retry_ceiling(spec.recovery), hours * 3600 / m
+    ceiling, hourly, mean = retry_ceiling(spec.recovery), hourly_ceiling(spec.recovery), hours * 3600 / m
+    exhaust = p_exhaust(spec.recovery, 3600 / m, hours)
     closed = closed_forms(c, m)
     return {
         "spec": spec.name, "gpus": gpus, "mttf_hours": mttf_hours, "failure_model": model,
@@ -190,7 +220,7 @@ def make_plan(spec: Any, gpus: int, mttf_hours: float, model: str, costs: Costs,
         "closed_form_ratios": {k: predict_ratio(m, v, c, r) for k, v in closed.items()},
         "spec_interval_seconds": spec_tau, "spec_interval_from": how, "spec_ratio": predict_ratio(m, spec_tau, c, r),
         "run_hours": hours, "expected_failures_in_run": mean, "retry_ceiling": ceiling,
-        "p_exhaust_retries": p_more_than(mean, ceiling), "warn": p_more_than(mean, ceiling) > WARN_EXHAUST,
+        "hourly_retry_ceiling": hourly, "p_exhaust_retries": exhaust, "warn": exhaust > WARN_EXHAUST,
     }
 
 
@@ -206,13 +236,17 @@ def format_plan(p: dict[str, Any]) -> str:
                           f" Daly higher order {cf['daly_higher_order']:.0f} s)"),
         ("spec interval", f"{p['spec_interval_seconds']:.0f} s, ratio {p['spec_ratio']:.4f}"
                           f" ({p['spec_interval_from']})"),
-        ("retry ceiling", f"{p['retry_ceiling']} failures; a {p['run_hours']:g} h run expects"
-                          f" {p['expected_failures_in_run']:.3g}, P(more) = {p['p_exhaust_retries']:.2%}"),
+        ("retry ceiling", ", ".join(
+            [*([f"{p['retry_ceiling']} failures"] if p["retry_ceiling"] is not None else []),
+             *([f"{p['hourly_retry_ceiling']} failures an hour"] if p["hourly_retry_ceiling"] is not None else [])])
+         + f"; a {p['run_hours']:g} h run expects {p['expected_failures_in_run']:.3g},"
+           f" P(over) = {p['p_exhaust_retries']:.2%}"),
     ]
     lines = [f"ballast plan: {p['spec']}"] + [f"  {k:<17} {v}" for k, v in rows]
     if p["warn"]:
         lines.append(f"  WARNING: {p['p_exhaust_retries']:.2%} chance the run exhausts its retries"
-                     f" (> {WARN_EXHAUST:.0%}); raise the recovery.policy budgets of unknown, hardware, communication and hang, or shorten the run")
+                     f" (> {WARN_EXHAUST:.0%}); raise the recovery.policy budgets (per_hour, retries) of lost, hardware,"
+                     f" communication, hang and unknown, or shorten the run")
     return "\n".join(lines)
 
 

@@ -186,7 +186,7 @@ def close_unfinished(history: AttemptHistory, out_dir: Path, ckpt_dir: Path, *, 
                       exit_code=record.get("exit_code"), host=record.get("host"), ended=record["time"])
     else:
         where = f" (its process group {lease['pgid']} on {lease['host']})" if lease else ""
-        done = finish(attempt, out_dir, ckpt_dir, outcome="failed", failure_class="unknown",
+        done = finish(attempt, out_dir, ckpt_dir, outcome="failed", failure_class="lost",
                       reason=f"try {attempt.try_number} ended without a record{where}: its task process was"
                              f" killed, or its node lost", ended=ended)
     return put(history, done), done

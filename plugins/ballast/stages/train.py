@@ -78,6 +78,10 @@ def _try(ctx: RunContext, cache, hist, settings, notes, out_dir: Path, ckpt_dir:
                               exit_code=getattr(exc, "exit_code", None), host=getattr(exc, "host", None),
                               step=getattr(exc, "step", None))
         history.save(ctx, history.put(hist, done))
+        try:  # for the retry policy: whether tries still make progress (recovery.stalled_tries)
+            exc.step_reached = done.step_reached  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
         raise
     done = history.finish(attempt, out_dir, ckpt_dir, outcome="success")
     history.save(ctx, history.put(hist, done))
@@ -111,8 +115,8 @@ def _close_earlier_try(ctx: RunContext, hist, out_dir: Path, ckpt_dir: Path):
     history.save(ctx, hist)
     ctx.log.warning("try %d ended without recording itself: %s (class %s)", closed.try_number, closed.reason,
                     closed.failure_class)
-    decision = decide_unseen(ctx.spec.recovery, ctx.state, closed.try_number, closed.failure_class or "unknown",
-                             stage=ctx.task_id or "train")
+    decision = decide_unseen(ctx.spec.recovery, ctx.state, closed.try_number, closed.failure_class or "lost",
+                             stage=ctx.task_id or "train", step=closed.step_reached, at=closed.ended)
     if not decision.retry:
         raise LaunchError(decision.reason, failure_class="config")  # no budget left: fail, do not retry
     return hist
