@@ -4,8 +4,8 @@ Four runs of the same training (the digits pipeline, minutes of steps, 2 gloo ra
 through `dag.test()` in its own process, one after the other on this machine:
 
     clean     no faults: the reference wall time and weights
-    faults    a rank SIGKILLed at random times (one in each `mtbf`-long window: torchrun restarts the
-              group inside the try, `recovery.max_restarts`), plus one out-of-memory, one preemption, one
+    faults    a rank SIGKILLed at random times (a Poisson stream of mean gap `mtbf`, fault_process:
+              torchrun restarts the group inside the try, `recovery.max_restarts`), plus one out-of-memory, one preemption, one
               corrupted checkpoint and one NaN (rehearsal faults: each a new Airflow try)
     exact     the same kills, preemption and corrupted checkpoint, without the OOM and the NaN (their
               adaptations change the arithmetic: a smaller micro-batch, a skipped batch): final weights
@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from ballast.bench.fault_process import Chaos, first_event_time, heartbeat, poisson_times
 from ballast.bench.measure import target
 from ballast.recovery.history import events
 
@@ -67,69 +66,8 @@ def _scripted(total_steps: int, *, with_adaptations: bool) -> list[dict]:
 
 
 def _kill_times(mtbf: float, horizon: float, seed: int) -> list[float]:
-    """One kill at a uniformly random time in each `mtbf`-long window up to `horizon`: random times whose
-    mean interval is `mtbf`, as a Poisson stream's is, without one seed's luck deciding how many faults
-    the run meets (seed 7's Poisson stream put 13 kills in 390 s, an MTBF of 30 s)."""
-    rng = random.Random(seed)
-    return [round(k * mtbf + rng.uniform(0.0, mtbf), 3) for k in range(int(horizon // mtbf))]
-
-
-class Chaos(threading.Thread):
-    """SIGKILLs a random training rank at the given times (seconds after the run's first training step),
-    finding the ranks by the pid files the trainer writes (`pid-rank<R>`)."""
-
-    def __init__(self, runs_dir: Path, times: list[float], seed: int):
-        super().__init__(daemon=True, name="chaos")
-        self.runs_dir, self.times, self.rng = runs_dir, list(times), random.Random(seed + 1)
-        self.kills: list[dict[str, Any]] = []
-        self.stop = threading.Event()
-
-    def _out(self) -> Path | None:
-        found = sorted(self.runs_dir.glob("*/train/metrics.jsonl"))
-        return found[0].parent if found else None
-
-    def run(self) -> None:
-        t0 = None
-        while not self.stop.is_set() and self.times:
-            out = self._out()
-            if t0 is None:
-                t0 = _first_event_time(out, "first_step") if out else None
-                time.sleep(0.2)
-                continue
-            if time.time() - t0 < self.times[0]:
-                time.sleep(0.05)
-                continue
-            self.times.pop(0)
-            rank = self.rng.randrange(2)
-            try:
-                pid = int((out / f"pid-rank{rank}").read_text())
-                os.kill(pid, signal.SIGKILL)
-                self.kills.append({"time": time.time(), "rank": rank, "pid": pid, "step": _step_at(out)})
-            except (OSError, ValueError):
-                self.kills.append({"time": time.time(), "rank": rank, "pid": None, "missed": True})
-
-
-def _first_event_time(out: Path, name: str) -> float | None:
-    for e in events(out):
-        if e.get("event") == name:
-            return float(e["time"])
-    return None
-
-
-def _step_at(out: Path) -> int | None:
-    """The last step known to be done: the heartbeat (about once a second) or the last step event
-    (every 10 steps), whichever is newer."""
-    steps = [e["step"] for e in events(out) if e.get("event") == "step"][-1:]
-    beat = _heartbeat(out)
-    known = [s for s in (*steps, beat) if s is not None]
-    return max(known) if known else None
-
-
-def _heartbeat(out: Path) -> int | None:
-    from ballast.training.outputs import read_heartbeat
-
-    beat = read_heartbeat(out)
-    return beat.step if beat is not None else None
+    """Rank kills as a Poisson stream of mean gap `mtbf` up to `horizon` (fault_process)."""
+    return poisson_times(mtbf, horizon, seed)
 
 
 def _run(root: Path, name: str, spec: dict, *, kill_times: list[float], seed: int,
@@ -151,18 +89,19 @@ def _run(root: Path, name: str, spec: dict, *, kill_times: list[float], seed: in
     stopped = False
     while proc.poll() is None:
         time.sleep(0.5)
-        out = chaos._out()
-        first = _first_event_time(out, "first_step") if out else None
+        out = chaos.out()
+        first = first_event_time(out, "first_step") if out else None
         if budget is not None and first is not None and time.time() - first > budget:
-            progress = _heartbeat(out)
+            progress = heartbeat(out)
             os.killpg(proc.pid, signal.SIGKILL)
             _kill_training(out)  # torchrun runs in a session of its own
             stopped = True
             break
     proc.wait()
     chaos.stop.set()
-    out = chaos._out()
+    out = chaos.out()
     result: dict[str, Any] = {"name": name, "seconds": round(time.time() - t0, 1), "kills": chaos.kills,
+                              "unhit": chaos.unhit,
                               "stopped_at_budget": stopped, "out": str(out) if out else None}
     if stopped:
         result["progress_steps"] = progress
@@ -241,10 +180,10 @@ def _planner_prediction(run: dict, wall: float) -> dict[str, Any]:
     interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else wall
     blocked = sum(e.get("blocked_seconds", 0.0) for e in saves) / max(1, len(saves))
     timeline = _faults_timeline(run)  # the kills first, in order, then the new Airflow tries
-    # A failure is a kill that training came back from. A missed kill found no rank to kill; one with no
-    # step after it came after the last step (the ranks were finishing), where there was nothing left to
-    # lose: counting it made the failure rate a kill too high whenever the machine ran fast.
-    hit = [t for k, t in zip(run["kills"], timeline) if not k.get("missed") and t["seconds_to_next_step"] is not None]
+    # A failure is a kill that training came back from; one with no step after it came after the last
+    # step (the ranks were finishing), where there was nothing left to lose: counting it made the failure
+    # rate a kill too high whenever the machine ran fast.
+    hit = [t for t in timeline[:len(run["kills"])] if t["seconds_to_next_step"] is not None]
     restarts = [t["seconds_to_next_step"] for t in hit + timeline[len(run["kills"]):] if t.get("seconds_to_next_step")]
     restart = sum(restarts) / len(restarts) if restarts else 0.0
     kills = len(hit)
@@ -295,7 +234,7 @@ def planner_check(*, mtbf: float, epochs: int, seed: int = 7, horizon: float | N
     wall = _train_wall(faults["report"])
     return {"measured_ratio": round(clean_wall / wall, 4) if clean_wall else None,
             "planner": _planner_prediction(faults, wall),
-            "kills": len([k for k in faults["kills"] if not k.get("missed")]),
+            "kills": len(faults["kills"]),
             "report": faults["report"]["recovery"], "logs": str(root)}
 
 
@@ -328,7 +267,7 @@ def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> di
     return {
         "benchmark": "goodput", "planner": prediction, "measured_ratio": round(ratio, 4), "mtbf_seconds": mtbf, "epochs": epochs, "steps": total, "seed": seed,
         "clean_train_wall_seconds": round(clean_wall, 2), "faults_train_wall_seconds": round(faults_wall, 2),
-        "kills": len(faults["kills"]), "kills_missed": sum(bool(k.get("missed")) for k in faults["kills"]),
+        "kills": len(faults["kills"]), "kills_unhit_at_the_end": len(faults["unhit"]),
         "random_kills_mtbf_seconds": round(faults_wall / max(1, len(faults["kills"])), 1),
         "group_restarts": recovery.get("group_restarts"), "tries": recovery["tries"], "failures_by_class": recovery["failures_by_class"],
         "report_effective_ratio": recovery["effective_ratio"],

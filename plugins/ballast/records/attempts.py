@@ -59,11 +59,15 @@ class Attempt(Record):
     """What those restarts cost: for each, its resumed checkpoint's save to the group's first step."""
     last_group_first_step_at: float | None = None
     """Unix time of the last group's first step (after the last restart)."""
+    warmup_lost_seconds: float = 0.0
+    """What each group after a restart (or a new try) took over the try's steady pace for its first
+    steps: the writer process, the loader workers and the page cache starting again (0.5-1 s each on
+    this project's 2-core machine; a clean run pays it once, at its start, which is not counted)."""
     restart_seconds: float = 0.0
     """Start of the try to its first step (0 for the first try: start-up is no failure's cost)."""
     lost_seconds: float = 0.0
-    """Restart time, the group restarts' cost, and, for a failed try, the work since its last commit (or
-    since its last group's first step)."""
+    """Restart time, the group restarts' cost, the warm-ups after them, and, for a failed try, the work
+    since its last commit (or since its last group's first step)."""
 
     @property
     def seconds(self) -> float:

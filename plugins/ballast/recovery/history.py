@@ -107,7 +107,44 @@ def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
         found["group_restarts"] = len(lost)
         found["group_restart_lost_seconds"] = round(sum(lost), 3)
         found["last_group_first_step_at"] = last_first
+    warmup = _warmups(evs, skip_first=attempt.try_number == 1)
+    if warmup:
+        found["warmup_lost_seconds"] = round(warmup, 3)
     return found
+
+
+WARMUP_STEPS = 50
+"""The steps after a group's first step over which its warm-up is measured against the steady pace."""
+
+
+def _warmups(evs: list[dict[str, Any]], *, skip_first: bool) -> float:
+    """The time the groups of a try took over its steady pace for their first WARMUP_STEPS steps (from
+    rank 0's step events, one every few steps): the steady pace is the median seconds a step between
+    step events that no group start falls between. `skip_first`: the try's first group is the run's
+    start (a clean run has that warm-up too)."""
+    import statistics
+
+    marks = [(float(e["time"]), e["step"], e.get("event")) for e in evs if e.get("rank", 0) == 0
+             and e.get("event") in ("first_step", "step") and isinstance(e.get("step"), int)]
+    paces = [(t1 - t0) / (s1 - s0) for (t0, s0, _), (t1, s1, k1) in zip(marks, marks[1:])
+             if k1 == "step" and s1 > s0]
+    if not paces:
+        return 0.0
+    pace = statistics.median(paces)
+    saves = sorted(float(e["time"]) for e in evs if e.get("rank", 0) == 0 and e.get("event") == "checkpoint")
+    extra, starts = 0.0, [i for i, m in enumerate(marks) if m[2] == "first_step"]
+    for n, i in enumerate(starts):
+        if n == 0 and skip_first:
+            continue
+        t0, s0, _ = marks[i]
+        end = next((m for m in marks[i + 1:] if m[2] == "first_step" or m[1] >= s0 + WARMUP_STEPS), None)
+        if end is None or end[2] == "first_step" or end[1] <= s0:
+            continue  # the group did not get that far: its time is counted as lost work instead
+        following = marks[starts[n + 1]][0] if n + 1 < len(starts) else float("inf")
+        if not any(end[0] <= t < following for t in saves):
+            continue  # no save kept the warm-up's work: it is in the next restart's lost work already
+        extra += max(0.0, (end[0] - t0) - (end[1] - s0) * pace)  # a group faster than the median: no gain
+    return extra
 
 
 def _group_restarts(evs: list[dict[str, Any]], commits: dict[int, float]) -> tuple[list[float], float | None]:
@@ -153,7 +190,7 @@ def finish(attempt: Attempt, out_dir: Path, ckpt_dir: Path, *, outcome: str, fai
     ended = ended if ended is not None else time.time()
     first = found.get("first_step_at")
     restart = (first - attempt.started) if (first is not None and attempt.try_number > 1) else 0.0
-    lost = restart + found.get("group_restart_lost_seconds", 0.0)
+    lost = restart + found.get("group_restart_lost_seconds", 0.0) + found.get("warmup_lost_seconds", 0.0)
     if outcome != "success":
         if first is None:
             lost = ended - attempt.started  # not one step: the whole try
