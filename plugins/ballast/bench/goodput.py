@@ -238,7 +238,11 @@ def planner_check(*, mtbf: float, epochs: int, seed: int = 7, horizon: float | N
             "report": faults["report"]["recovery"], "logs": str(root)}
 
 
-def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> dict[str, Any]:
+def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7,
+                  trial_minutes: float = 10.0) -> dict[str, Any]:
+    from ballast.bench.kill_trial import trial_row
+
+    trial = trial_row(mean_gap=20.0, minutes=trial_minutes, seed=seed) if trial_minutes else None
     root = _home()
     total = epochs * PER_EPOCH_STEPS
     clean = _run(root, "clean", _spec("clean", epochs=epochs, faults=[]), kill_times=[], seed=seed)
@@ -278,7 +282,9 @@ def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7) -> di
         "exact_final_weights_identical": same, "exact_max_abs_diff": diff,
         "faults_max_abs_diff_vs_clean": diff_faults,
         "timeline": _faults_timeline(faults),
+        "shipped_example_under_kills": trial,
         "targets": {
+            **(trial["targets"] if trial else {}),
             "effective_training_time_ratio": target(round(judged, 4), 0.90, lower_is_better=False),
             "ratio_vs_restart_from_scratch": target(round(ratio / max(scratch_ratio, 1e-9), 2), 3.0,
                                                     lower_is_better=False),
