@@ -22,6 +22,9 @@ def test_plan_orders_stages_and_sets_retries():
     retries = {s.name: s.retries for s in plan.stages}
     assert retries["validate"] == 0  # bad data is not fixed by retrying
     assert retries["train"] == 10_000  # classes without a count (recovery.policy): the policy ends the task
+    # The other stages' killed task processes no policy counts: their counts (oom 3, divergence 1, unknown 1)
+    # and an hour of each rate (lost 30, preempted 30, communication 20, hardware 6, hang 6).
+    assert retries["evaluate"] == retries["convert"] == retries["publish"] == 3 + 1 + 1 + 30 + 30 + 20 + 6 + 6
     assert plan.cron == "0 3 * * 1" and plan.asset is None
     assert plan.tags == ("ballast", "example", "vision")
 
@@ -52,7 +55,7 @@ def test_dagbag_has_no_import_errors_and_stages_in_order():
     }
     assert dag.tags == {"ballast", "example", "vision"} or set(dag.tags) == {"ballast", "example", "vision"}
     assert dag.owner == "data-team"
-    assert dag.default_args["retries"] == 16
+    assert dag.default_args["retries"] == 97 and dag.task_dict["train"].retries == 10_000
     assert dag.task_dict["train"].retry_policy.serialize()["stage"] == "train"
     assert dag.task_dict["validate"].retry_policy is None
     assert dag.task_dict["validate"].retries == 0

@@ -160,3 +160,40 @@ def test_a_save_refuses_a_state_the_index_cannot_hold(tmp_path):
     with pytest.raises(CheckpointFailure, match=r"optim\.note: a BytesStorageMetadata in the state to save; a Ballast"
                                                 r" checkpoint stores tensors only"):
         dcp.write({"model": {"w": torch.ones(2)}, "optim": {"note": "hello"}}, tmp_path, rank=0, group=None)
+
+
+def test_an_index_the_manifest_lists_without_dcps_own_metadata_is_refused(tmp_path):
+    """The gate checks a sharded checkpoint's values when its manifest lists `.metadata`: an index listed
+    without it would skip that check, so it is not read."""
+    ck = _committed(tmp_path / "ckpts")
+    manifest = json.loads((ck / MANIFEST).read_text())
+    del manifest["files"][".metadata"]
+    (ck / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointFailure, match=rf"manifest\.json: lists {INDEX} but not \.metadata; a sharded"
+                                                r" checkpoint has both"):
+        dcp.metadata(ck)
+
+
+def _one_tensor(pieces: list, size: list[int]) -> dict:
+    return {"format": dcp_index.FORMAT, "version": "1", "planner_data": None, "storage_meta": None,
+            "tensors": {"model.w": {"dtype": "float32", "size": size, "requires_grad": False, "pieces": pieces}}}
+
+
+def test_a_tensor_split_finely_is_checked_in_linear_time_and_a_crafted_grid_refused(tmp_path):
+    """The issue's review input: 20,000 one-element pieces of a [1, 20000] tensor, all at row 0, made the
+    sweep along the first dimension quadratic (4,000 pieces took 8 s, 100,000 would take hours). The sweep
+    goes along the dimension the pieces split most, so that is checked at once; a 200 x 200 grid of
+    one-element pieces, which no sharded save writes, is refused for its split, in bounded time."""
+    ck = _committed(tmp_path / "ckpts")
+    row = [[[0, i], [1, 1], "__0_0.distcp", 0, 4] for i in range(20_000)]
+    _rewrite(ck, INDEX, json.dumps(_one_tensor(row, [1, 20_000])).encode())
+    t0 = time.monotonic()
+    meta = dcp.metadata(ck)
+    assert len(meta.storage_data) == 20_000 and time.monotonic() - t0 < 10  # ~1 s here; quadratic: minutes
+    grid = [[[i, j], [1, 1], "__0_0.distcp", 0, 4] for i in range(200) for j in range(200)]
+    _rewrite(ck, INDEX, json.dumps(_one_tensor(grid, [200, 200])).encode())
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointFailure, match=r"'model\.w''s pieces do not cover its tensor exactly once \(or are"
+                                                r" split too finely to check\)"):
+        dcp.metadata(ck)
+    assert time.monotonic() - t0 < 10

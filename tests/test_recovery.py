@@ -479,6 +479,11 @@ def test_a_restarted_groups_warm_up_counts_as_lost_once_its_work_is_kept(tmp_pat
     out, ckpt_dir = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir(), ckpt_dir.mkdir()
     t = 1000.0
+    kept = ckpt_dir / "step-00000160"  # committed at t+4.55, after the warm-up: its work was kept
+    kept.mkdir()
+    (kept / "manifest.json").write_text("{}")
+    (kept / "COMMITTED").write_text("")
+    os.utime(kept / "COMMITTED", (t + 4.55, t + 4.55))
     evs = [("resume", 100, t + 0.5), ("first_step", 101, t + 1.0), ("step", 110, t + 2.0), ("step", 120, t + 2.5),
            ("step", 130, t + 3.0), ("step", 140, t + 3.5), ("step", 150, t + 4.0), ("step", 160, t + 4.5),
            ("checkpoint", 160, t + 4.55), ("step", 170, t + 5.0)]
@@ -491,9 +496,9 @@ def test_a_restarted_groups_warm_up_counts_as_lost_once_its_work_is_kept(tmp_pat
     # The run's own start is no fault's cost: a first try's first group is not counted.
     first = history.finish(second.model_copy(update={"try_number": 1}), out, ckpt_dir, outcome="success", ended=t + 6)
     assert first.warmup_lost_seconds == 0 and first.lost_seconds == 0
-    # No save after the warm-up: the group's work was not kept, and the next restart counts it as lost.
-    (out / "metrics.jsonl").write_text("".join(
-        json.dumps({"event": e, "step": s, "time": at, "rank": 0}) + "\n" for e, s, at in evs if e != "checkpoint"))
+    # No commit after the warm-up (a save began, never committed): the group's work was not kept, and the
+    # next restart counts it as lost.
+    (kept / "COMMITTED").unlink()
     assert history.finish(second, out, ckpt_dir, outcome="success", ended=t + 6).warmup_lost_seconds == 0
 
 

@@ -43,6 +43,13 @@ _METADATA_MAX_BYTES = 1 << 30
 and Adam state sharded over 1,024 ranks is ~3.5 million)."""
 
 
+_INDEX_MAX_BYTES = 256 << 20
+"""The largest index read: ~50 bytes a stored piece, so the same ~5 million pieces (built into DCP's
+metadata objects, ~2.8 KB each: what DCP's own load of such a checkpoint holds too)."""
+_MAX_PIECES = 5_000_000
+"""The most stored pieces a checkpoint's metadata may list."""
+
+
 def _allowed(key: tuple[str, str]) -> Any:
     import torch
 
@@ -97,8 +104,11 @@ def read_metadata(path: Path, *, digest: str | None = None) -> tuple[Any, str]:
     path = Path(path)
     listed = _manifest_files(path)
     name = INDEX_FILE if listed is not None and INDEX_FILE in listed else DCP_METADATA
+    if name == INDEX_FILE and DCP_METADATA not in listed:  # the gate checks a sharded checkpoint by it
+        raise CheckpointFailure(f"{path / MANIFEST}: lists {INDEX_FILE} but not {DCP_METADATA}; a sharded"
+                                f" checkpoint has both, refusing to read the shards")
     f = path / name
-    data = _read_regular(f, _METADATA_MAX_BYTES)
+    data = _read_regular(f, _INDEX_MAX_BYTES if name == INDEX_FILE else _METADATA_MAX_BYTES)
     sha = hashlib.sha256(data).hexdigest()
     if digest is None and listed is not None:
         entry = listed.get(name)
@@ -110,7 +120,7 @@ def read_metadata(path: Path, *, digest: str | None = None) -> tuple[Any, str]:
     if digest is not None and sha != digest:
         raise CheckpointFailure(f"{f}: sha256 {sha[:12]}... is not the {digest[:12]}... that was verified; the"
                                 f" metadata changed after the gate checked it, refusing to load")
-    key = (sha, None if listed is None else tuple(sorted(
+    key = (sha, str(path.resolve()) if listed is None else tuple(sorted(
         (n, e["size"] if isinstance(e, dict) and type(e.get("size")) is int else None)
         for n, e in listed.items())))
     with _CHECKED_LOCK:
@@ -200,21 +210,27 @@ def _index_types() -> tuple[type, type]:
 
 def _tiles(size: tuple[int, ...], chunks: dict[tuple[int, ...], tuple[int, ...]]) -> bool:
     """Whether the pieces (offsets -> sizes, each inside the tensor) cover a tensor of `size` exactly
-    once: their volumes add up to the tensor's and no two overlap (a sweep along the first dimension:
-    the pieces a sharded save writes along it meet few others)."""
+    once: their volumes add up to the tensor's and no two overlap. A sweep along the dimension the pieces
+    are split most along (a sharded save splits one or two: each piece then meets few others), its work
+    bounded (a crafted split that would make the sweep quadratic is refused, not checked for hours)."""
     if sum(math.prod(s) for s in chunks.values()) != math.prod(size):
         return False
     if not size:
         return len(chunks) == 1
+    axis = max(range(len(size)), key=lambda d: len({o[d] for o in chunks}))
+    budget = 32 * len(chunks) + 10_000  # a 2-D split up to 32 pieces across, any number along
     active: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
-    for o, s in sorted(chunks.items()):
+    for o, s in sorted(chunks.items(), key=lambda kv: kv[0][axis]):
         if not math.prod(s):
             continue
-        active = [a for a in active if a[0] > o[0]]
+        budget -= len(active) + 1
+        if budget < 0:
+            return False
+        active = [a for a in active if a[0] > o[axis]]
         for _, ao, asz in active:
             if all(ao[d] < o[d] + s[d] and o[d] < ao[d] + asz[d] for d in range(len(s))):
                 return False
-        active.append((o[0] + s[0], o, s))
+        active.append((o[axis] + s[axis], o, s))
     return True
 
 
@@ -256,10 +272,13 @@ def _metadata_problem(meta: Any, path: Path, listed: dict[str, Any] | None) -> s
                 return f"entry {_show(fqn)} has two pieces at offsets {tuple(c.offsets)}"
             mine[tuple(c.offsets)] = tuple(c.sizes)
         if not _tiles(tuple(e.size), mine):
-            return f"entry {_show(fqn)}'s pieces do not cover its tensor exactly once"
+            return (f"entry {_show(fqn)}'s pieces do not cover its tensor exactly once (or are split too finely"
+                    f" to check)")
         chunks[fqn], itemsize[fqn] = mine, p.dtype.itemsize
     if type(meta.storage_data) is not dict:
         return "has no table of where each piece is stored"
+    if len(meta.storage_data) > _MAX_PIECES:
+        return f"lists {len(meta.storage_data)} stored pieces, over the {_MAX_PIECES} a checkpoint may have"
     sizes = _file_sizes(path, listed, meta.storage_data.values())
     for index, info in meta.storage_data.items():
         if type(index) is not MetadataIndex or not metadata_key(index):

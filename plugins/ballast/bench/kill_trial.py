@@ -39,15 +39,15 @@ def kill_trial(*, mean_gap: float, minutes: float, epochs: int, seed: int = 7) -
     """One run of the shipped digits spec with rank kills at Poisson times of mean gap `mean_gap` over
     its first `minutes` of training; what it came to (the attempt history and the report, or why it
     failed), and the report's time lost beside the wall clock's."""
-    from ballast.bench import goodput
+    from ballast.bench import dag_runs
 
-    root = goodput._home()
+    root = dag_runs.home()
     times = poisson_times(mean_gap, minutes * 60, seed)
     spec = shipped_spec(epochs)
     out: dict[str, Any] = {"mean_gap_seconds": mean_gap, "minutes": minutes, "epochs": epochs, "seed": seed,
                            "kills_planned": len(times), "logs": str(root)}
     try:
-        run = goodput._run(root, spec["name"], spec, kill_times=times, seed=seed)
+        run = dag_runs.run(root, spec["name"], spec, kill_times=times, seed=seed)
     except RuntimeError as exc:  # no report: the run failed
         runs = Path(root) / "ballast" / "storage" / "runs" / f"ballast_{spec['name']}"
         attempts = [json.loads(f.read_text()) for f in sorted(runs.glob("*/attempts/*.json"))]

@@ -106,10 +106,11 @@ def build_plan(spec: Spec, *, spec_file: str) -> Plan:
     for name in STAGES:
         if rounds > 1 and name in ROUND_STAGES:
             continue
-        stages.append(StagePlan(name=name, upstream=UPSTREAM[name], retries=0 if name in NO_RETRY else retries,
+        stages.append(StagePlan(name=name, upstream=UPSTREAM[name], retries=0 if name in NO_RETRY else (
+            retries if name == "train" else spec.recovery.stage_ceiling),
                                 doc=_DOCS[name], module=name))
     if rounds > 1:
-        stages = _with_rounds(stages, rounds, retries, spec.training.epochs_per_round)
+        stages = _with_rounds(stages, rounds, retries, spec.training.epochs_per_round, spec.recovery.stage_ceiling)
     tags = tuple(dict.fromkeys(("ballast", *spec.tags)))
     return Plan(
         dag_id=spec.dag_id,
@@ -122,14 +123,14 @@ def build_plan(spec: Spec, *, spec_file: str) -> Plan:
         asset=spec.schedule.asset,
         start_date=spec.schedule.start_date,
         catchup=spec.schedule.catchup,
-        retries=spec.recovery.ceiling,
+        retries=spec.recovery.stage_ceiling,
         retry_delay_seconds=spec.recovery.retry_delay_seconds,
         stages=tuple(stages),
         params=tuple(_param(spec, key, path) for key, path in parameter_paths(spec).items()),
     )
 
 
-def _with_rounds(stages: list[StagePlan], rounds: int, retries: int, epochs: int) -> list[StagePlan]:
+def _with_rounds(stages: list[StagePlan], rounds: int, retries: int, epochs: int, others: int) -> list[StagePlan]:
     """One train -> verify_checkpoint -> evaluate group per round after warm_cache; the test-split
     evaluate after all of them (it runs when at least one round finished and none failed: the rounds
     early stopping skipped do not hold it back); publish last."""
@@ -143,13 +144,14 @@ def _with_rounds(stages: list[StagePlan], rounds: int, retries: int, epochs: int
                             f" checkpoint (skipped once early stopping has ended training).",
                    "verify_checkpoint": _DOCS["verify_checkpoint"],
                    "evaluate": "Score the round's checkpoint on the validation split; decide early stopping."}[name]
-            rounds_plan.append(StagePlan(name=f"{group}.{name}", upstream=(before,), retries=retries, doc=doc,
+            rounds_plan.append(StagePlan(name=f"{group}.{name}", upstream=(before,),
+                                         retries=retries if name == "train" else others, doc=doc,
                                          module="evaluate_round" if name == "evaluate" else name, group=group))
             before = f"{group}.{name}"
     last_evals = tuple(f"round_{k}.evaluate" for k in range(1, rounds + 1))
-    tail = [StagePlan(name="evaluate", upstream=last_evals, retries=retries, doc=_DOCS["evaluate"], module="evaluate",
+    tail = [StagePlan(name="evaluate", upstream=last_evals, retries=others, doc=_DOCS["evaluate"], module="evaluate",
                       trigger_rule="none_failed_min_one_success"),
-            StagePlan(name="publish", upstream=("evaluate",), retries=retries, doc=_DOCS["publish"], module="publish")]
+            StagePlan(name="publish", upstream=("evaluate",), retries=others, doc=_DOCS["publish"], module="publish")]
     return head + rounds_plan + tail
 
 

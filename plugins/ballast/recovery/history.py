@@ -107,7 +107,7 @@ def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
         found["group_restarts"] = len(lost)
         found["group_restart_lost_seconds"] = round(sum(lost), 3)
         found["last_group_first_step_at"] = last_first
-    warmup = _warmups(evs, skip_first=attempt.try_number == 1)
+    warmup = _warmups(evs, [at for _, at in commits], skip_first=attempt.try_number == 1)
     if warmup:
         found["warmup_lost_seconds"] = round(warmup, 3)
     return found
@@ -117,9 +117,10 @@ WARMUP_STEPS = 50
 """The steps after a group's first step over which its warm-up is measured against the steady pace."""
 
 
-def _warmups(evs: list[dict[str, Any]], *, skip_first: bool) -> float:
+def _warmups(evs: list[dict[str, Any]], commits: list[float], *, skip_first: bool) -> float:
     """The time the groups of a try took over its steady pace for their first WARMUP_STEPS steps (from
-    rank 0's step events, one every few steps): the steady pace is the median seconds a step between
+    rank 0's step events, one every few steps), for the groups whose work a checkpoint committed after
+    the warm-up kept (`commits`: commit times): the steady pace is the median seconds a step between
     step events that no group start falls between. `skip_first`: the try's first group is the run's
     start (a clean run has that warm-up too)."""
     import statistics
@@ -131,7 +132,7 @@ def _warmups(evs: list[dict[str, Any]], *, skip_first: bool) -> float:
     if not paces:
         return 0.0
     pace = statistics.median(paces)
-    saves = sorted(float(e["time"]) for e in evs if e.get("rank", 0) == 0 and e.get("event") == "checkpoint")
+    saves = sorted(commits)
     extra, starts = 0.0, [i for i, m in enumerate(marks) if m[2] == "first_step"]
     for n, i in enumerate(starts):
         if n == 0 and skip_first:
@@ -142,7 +143,7 @@ def _warmups(evs: list[dict[str, Any]], *, skip_first: bool) -> float:
             continue  # the group did not get that far: its time is counted as lost work instead
         following = marks[starts[n + 1]][0] if n + 1 < len(starts) else float("inf")
         if not any(end[0] <= t < following for t in saves):
-            continue  # no save kept the warm-up's work: it is in the next restart's lost work already
+            continue  # no commit kept the warm-up's work: it is in the next restart's lost work already
         extra += max(0.0, (end[0] - t0) - (end[1] - s0) * pace)  # a group faster than the median: no gain
     return extra
 

@@ -21,6 +21,7 @@ rest comes from the class's default (`DEFAULT_POLICY`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -135,6 +136,13 @@ class RecoverySpec(RecoverySettings):
     def of(self, failure_class: str) -> ClassPolicy:
         """The policy of `failure_class`; a class the table lacks is treated as unknown."""
         return self.policy.get(failure_class) or self.policy["unknown"]  # type: ignore[index]
+
+    @property
+    def stage_ceiling(self) -> int:
+        """Retries of a stage other than train, whose killed task process no policy counts (train's next
+        try does, `decide_unseen`): the counts, and an hour's worth of each class bounded by its rate."""
+        total = sum(p.retries if p.retries is not None else math.ceil(p.per_hour or 0) for p in self.policy.values())
+        return total if self.retries is None else min(total, self.retries)
 
     @property
     def ceiling(self) -> int:
