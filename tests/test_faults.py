@@ -139,7 +139,7 @@ def test_a_group_that_cannot_read_its_config_is_not_restarted(tmp_path, digits_c
     launch = [sys.executable, "-m", "ballast.training.torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
               "--module", "ballast.training", "--config", str(cfg)]
     run = subprocess.run(launch, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.returncode == 64, run.stderr[-3000:]  # the class's code: a Job's pod failure policy reads it
     assert re.search(r"rank \d exited 64 \(class config\) without a failure record; not restarting the group", run.stderr)
     assert run.stderr.count("failed (config, exit 64)") == 2, run.stderr[-3000:]  # one group: no restart
     assert not (tmp_path / "out" / "failure.json").exists()
@@ -180,7 +180,7 @@ def test_a_group_restart_is_only_for_a_rank_killed_outright_not_for_an_oom(tmp_p
     launch = [sys.executable, "-m", "ballast.training.torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
               "--module", "ballast.training", "--config", str(cfg)]  # what the train stage runs
     run = subprocess.run(launch, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.returncode == 73, run.stderr[-3000:]
     assert "failed with class oom; not restarting the group" in run.stderr
     assert record(tmp_path)["class"] == "oom" and record(tmp_path)["rank"] == 1  # left for the next try
     events = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

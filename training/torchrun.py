@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except NewTryNeeded as exc:
         print(f"training.launch: {exc}; not restarting the group", file=sys.stderr)
-        code = 1
+        code = exc.code
     except SignalException as exc:  # the agent has already ended its workers with the same signal
         code = 128 + int(exc.sigval)
     finally:
@@ -171,7 +171,13 @@ restarted and torchrun exits, leaving the record for the orchestrator."""
 
 
 class NewTryNeeded(Exception):
-    pass
+    """The group is not restarted: its failure's class needs a new try; `code`: that class's exit code,
+    the launch's (on Kubernetes the Job's pod failure policy fails the Job on it, instead of rerunning
+    the pod as it would after a crash)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _output_dir(script_args: list[str]) -> Path | None:
@@ -203,13 +209,15 @@ def _restart_only_what_a_restart_fixes(out_dir: Path | None) -> None:
     def restart_or_stop(self, worker_group) -> None:
         record = read_record(out_dir)
         if record is not None and record.get("class") not in RESTART_IN_TRY:
-            raise NewTryNeeded(f"rank {record.get('rank')} failed with class {record.get('class')}")
+            raise NewTryNeeded(f"rank {record.get('rank')} failed with class {record.get('class')}",
+                               EXIT_CODES.get(str(record.get("class")), 1))
         if record is None:  # killed outright, or failed before it knew where to write (a config it cannot read)
             result = getattr(self, "_ballast_result", None)
             for rank, failure in sorted((result.failures if result is not None else {}).items()):
                 cls = classes.get(failure.exitcode)
                 if cls is not None and cls not in RESTART_IN_TRY:
-                    raise NewTryNeeded(f"rank {rank} exited {failure.exitcode} (class {cls}) without a failure record")
+                    raise NewTryNeeded(f"rank {rank} exited {failure.exitcode} (class {cls}) without a failure record",
+                                       failure.exitcode)
         if record is not None:
             stamp = f"{time.time():.3f}"
             os.replace(out_dir / RECORD_NAME, out_dir / f"failure-restarted-{stamp}.json")

@@ -200,13 +200,18 @@ def indexed_job(spec: Spec, launch: Launch):
     """An Indexed Job of `launch.nodes` pods: completions = parallelism = nodes; a disruption (a
     preemption, a drain, a node's graceful shutdown) is ignored by the Job's backoff count, so the Job
     controller replaces the pod and the elastic agents re-form the group; an exit code of a class that
-    a retry cannot fix fails the Job at once."""
+    a new try must adapt to (or no retry can fix) fails the Job at once."""
     from kubernetes.client import models as k8s
 
     from ballast.training.failure import EXIT_CODES
 
+    from ballast.training.torchrun import RESTART_IN_TRY
+
     template = pod(spec, launch, nodes=launch.nodes)
-    fatal = sorted(EXIT_CODES[c] for c in EXIT_CODES if spec.recovery.of(c).retries == 0)
+    # torchrun exits with a class's code when that class needs a new try (or none): the Job fails at once
+    # and the orchestrator's next try adapts, instead of the Job rerunning the same pod (its backoff
+    # limit, recovery.max_restarts, is for pods that crashed: a rank killed outright, a broken link)
+    fatal = sorted(code for cls, code in EXIT_CODES.items() if cls not in RESTART_IN_TRY)
     rules = [k8s.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[
         k8s.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")])]
     if fatal:
