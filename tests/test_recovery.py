@@ -479,14 +479,9 @@ def test_a_restarted_groups_warm_up_counts_as_lost_once_its_work_is_kept(tmp_pat
     out, ckpt_dir = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir(), ckpt_dir.mkdir()
     t = 1000.0
-    kept = ckpt_dir / "step-00000160"  # committed at t+4.55, after the warm-up: its work was kept
-    kept.mkdir()
-    (kept / "manifest.json").write_text("{}")
-    (kept / "COMMITTED").write_text("")
-    os.utime(kept / "COMMITTED", (t + 4.55, t + 4.55))
     evs = [("resume", 100, t + 0.5), ("first_step", 101, t + 1.0), ("step", 110, t + 2.0), ("step", 120, t + 2.5),
            ("step", 130, t + 3.0), ("step", 140, t + 3.5), ("step", 150, t + 4.0), ("step", 160, t + 4.5),
-           ("checkpoint", 160, t + 4.55), ("step", 170, t + 5.0)]
+           ("checkpoint", 160, t + 4.55), ("checkpoint_written", 160, t + 4.7), ("step", 170, t + 5.0)]
     (out / "metrics.jsonl").write_text("".join(
         json.dumps({"event": e, "step": s, "time": at, "rank": 0}) + "\n" for e, s, at in evs))
     second = history.begin(2, settings={}, adaptation=[]).model_copy(update={"started": t})
@@ -498,7 +493,8 @@ def test_a_restarted_groups_warm_up_counts_as_lost_once_its_work_is_kept(tmp_pat
     assert first.warmup_lost_seconds == 0 and first.lost_seconds == 0
     # No commit after the warm-up (a save began, never committed): the group's work was not kept, and the
     # next restart counts it as lost.
-    (kept / "COMMITTED").unlink()
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"event": e, "step": s, "time": at, "rank": 0}) + "\n"
+                                               for e, s, at in evs if e != "checkpoint_written"))
     assert history.finish(second, out, ckpt_dir, outcome="success", ended=t + 6).warmup_lost_seconds == 0
 
 

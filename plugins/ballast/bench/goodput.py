@@ -28,7 +28,7 @@ from typing import Any
 
 from ballast.bench.dag_runs import home as _home
 from ballast.bench.dag_runs import run as _run
-from ballast.bench.fault_process import poisson_times
+from ballast.bench.fault_process import poisson_times, stratified_times
 from ballast.bench.measure import target
 from ballast.recovery.history import events
 
@@ -129,7 +129,10 @@ def _planner_prediction(run: dict, wall: float) -> dict[str, Any]:
     # rate a kill too high whenever the machine ran fast.
     hit = [t for t in timeline[:len(run["kills"])] if t["seconds_to_next_step"] is not None]
     restarts = [t["seconds_to_next_step"] for t in hit + timeline[len(run["kills"]):] if t.get("seconds_to_next_step")]
-    restart = sum(restarts) / len(restarts) if restarts else 0.0
+    # A restart lasts until the group is back at its pace: to its first step, then its warm-up (the
+    # attempt history's warmup_lost_seconds, all the groups together)
+    warm = sum(a.get("warmup_lost_seconds") or 0.0 for h in run["report"]["attempts"] for a in h["attempts"])
+    restart = (sum(restarts) + warm) / len(restarts) if restarts else 0.0
     kills = len(hit)
     failures = kills + sum(run["report"]["recovery"]["failures_by_class"].values())
     mttf = wall / failures if failures else float("inf")
@@ -160,7 +163,7 @@ def planner_check(*, mtbf: float, epochs: int, seed: int = 7, horizon: float | N
         clean = _run(root, "clean", _spec("clean", epochs=epochs, faults=[]), kill_times=[], seed=seed)
         clean_wall = horizon = _train_wall(clean["report"])
     faults = _run(root, "faults", _spec("faults", epochs=epochs, faults=[]),
-                  kill_times=_kill_times(mtbf, horizon, seed), seed=seed)
+                  kill_times=stratified_times(mtbf, horizon, seed), seed=seed)
     wall = _train_wall(faults["report"])
     return {"measured_ratio": round(clean_wall / wall, 4) if clean_wall else None,
             "planner": _planner_prediction(faults, wall),

@@ -107,7 +107,9 @@ def observe(attempt: Attempt, out_dir: Path, ckpt_dir: Path) -> dict[str, Any]:
         found["group_restarts"] = len(lost)
         found["group_restart_lost_seconds"] = round(sum(lost), 3)
         found["last_group_first_step_at"] = last_first
-    warmup = _warmups(evs, [at for _, at in commits], skip_first=attempt.try_number == 1)
+    # when each save was committed (the trainer's event: the directories of older ones are pruned by now)
+    written = [float(e["time"]) for e in evs if e.get("event") == "checkpoint_written" and e.get("rank", 0) == 0]
+    warmup = _warmups(evs, written, skip_first=attempt.try_number == 1)
     if warmup:
         found["warmup_lost_seconds"] = round(warmup, 3)
     return found
@@ -120,7 +122,7 @@ WARMUP_STEPS = 50
 def _warmups(evs: list[dict[str, Any]], commits: list[float], *, skip_first: bool) -> float:
     """The time the groups of a try took over its steady pace for their first WARMUP_STEPS steps (from
     rank 0's step events, one every few steps), for the groups whose work a checkpoint committed after
-    the warm-up kept (`commits`: commit times): the steady pace is the median seconds a step between
+    the warm-up kept (`commits`: the times saves were committed): the steady pace is the median seconds a step between
     step events that no group start falls between. `skip_first`: the try's first group is the run's
     start (a clean run has that warm-up too)."""
     import statistics
