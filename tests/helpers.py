@@ -10,6 +10,7 @@ import contextlib
 import copy
 import inspect
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -249,3 +250,16 @@ def headless_chromium():
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: CSP violations are logged there
     return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+
+
+def bench_in_a_process(tmp_path: Path, module: str, call: str, *, timeout: float) -> dict:
+    """`from ballast.bench.<module> import ...; <call>` run in a fresh interpreter (its own Airflow and
+    Ballast homes, under `tmp_path`), its JSON result returned; a failed run fails the test with its output."""
+    name = call.split("(", 1)[0]
+    script, out = tmp_path / f"{name}.py", tmp_path / f"{name}.json"
+    script.write_text(f"import json, sys\nfrom ballast.bench.{module} import {name}\n"
+                      f"json.dump({call}, open(sys.argv[1], 'w'))\n")
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())

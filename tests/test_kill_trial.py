@@ -8,24 +8,15 @@ and what its report says was lost is what the wall clock says (kill_trial's docs
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from helpers import bench_in_a_process
 
 
 @pytest.mark.e2e
 @pytest.mark.alone  # it compares times: a test beside it would take half the cores mid-run
 def test_the_shipped_digits_example_completes_under_random_rank_kills_and_reports_the_time_lost(tmp_path):
-    script = tmp_path / "trial.py"
-    script.write_text("import json, sys\nfrom ballast.bench.kill_trial import kill_trial\n"
-                      "json.dump(kill_trial(mean_gap=10, minutes=2, epochs=800), open(sys.argv[1], 'w'))\n")
-    out = tmp_path / "trial.json"
-    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = bench_in_a_process(tmp_path, "kill_trial", "kill_trial(mean_gap=10, minutes=2, epochs=800)", timeout=900)
     print(json.dumps({k: v for k, v in r.items() if k != "attempts"}))
     assert r["completed"], (r["why"], r["failure_lines"], [a["attempts"] for a in r["attempts"]])
     # Seed 7's Poisson stream: 19 kills in 2 minutes, some 0.4 s apart; every one hit a live rank (a kill

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
 from ballast.errors import SpecError
@@ -17,7 +14,7 @@ from ballast.recovery import history
 from ballast.records import AttemptHistory, RecoverySummary
 from ballast.recovery.policy import decide
 from ballast.spec import RecoverySpec, parse_spec
-from helpers import example_data, run_spec_dag
+from helpers import bench_in_a_process, example_data, run_spec_dag
 
 
 def _fast(d: dict, faults: list[dict], **recovery) -> None:
@@ -506,14 +503,7 @@ def test_the_planner_predicts_what_a_run_with_random_kills_loses(tmp_path):
     time each kill lost, from the attempt history). No clean run: a wall-time ratio against one is within
     the machine's noise on a run this short; the kills are spread over the first 18 s of training (one in
     each 6 s), those after its end missed."""
-    script = tmp_path / "check.py"
-    script.write_text("import json, sys\nfrom ballast.bench.goodput import planner_check\n"
-                      "json.dump(planner_check(mtbf=6, epochs=60, horizon=18), open(sys.argv[1], 'w'))\n")
-    out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = bench_in_a_process(tmp_path, "goodput", "planner_check(mtbf=6, epochs=60, horizon=18)", timeout=600)
     print(json.dumps({k: r[k] for k in ("measured_ratio", "planner", "kills")}), r["report"]["effective_ratio"])
     assert r["kills"] >= 1 and r["report"]["group_restarts"] >= 1, r
     assert r["planner"]["predicted_ratio"] == pytest.approx(r["report"]["effective_ratio"], abs=0.05), r

@@ -60,11 +60,6 @@ def _scripted(total_steps: int, *, with_adaptations: bool) -> list[dict]:
     return faults
 
 
-def _kill_times(mtbf: float, horizon: float, seed: int) -> list[float]:
-    """Rank kills as a Poisson stream of mean gap `mtbf` up to `horizon` (fault_process)."""
-    return poisson_times(mtbf, horizon, seed)
-
-
 def _train_wall(report: dict) -> float:
     tries = [a for h in report["attempts"] for a in h["attempts"]]
     return max(a["ended"] for a in tries) - min(a["started"] for a in tries)
@@ -180,7 +175,7 @@ def bench_goodput(*, mtbf: float = 60.0, epochs: int = 300, seed: int = 7,
     total = epochs * PER_EPOCH_STEPS
     clean = _run(root, "clean", _spec("clean", epochs=epochs, faults=[]), kill_times=[], seed=seed)
     clean_wall = _train_wall(clean["report"])
-    kills = _kill_times(mtbf, clean_wall * 1.5, seed)
+    kills = poisson_times(mtbf, clean_wall * 1.5, seed)
     faults = _run(root, "faults", _spec("faults", epochs=epochs, faults=_scripted(total, with_adaptations=True)),
                   kill_times=kills, seed=seed)
     faults_wall = _train_wall(faults["report"])

@@ -52,10 +52,6 @@ def failures_of(stored: dict[str, Any]) -> dict[int, Failure]:
     return out
 
 
-def count(failures: dict[str, Any], failure_class: str) -> int:
-    return sum(1 for f in failures_of(failures).values() if f.failure_class == failure_class)
-
-
 def stalled(failures: dict[str, Any]) -> tuple[int, int | None]:
     """(failed tries in a row, the newest last, that reached no step past the furthest any earlier try
     reached; that furthest step, None if no try reached one)."""

@@ -72,7 +72,6 @@ class ClassPolicy(Section):
 # classes are budgeted for a run of a month on a cluster (rates per hour, progress), never by a
 # lifetime count that a long run is sure to use up: at the seeds' scale (an interruption every few
 # hours, hundreds in a run) a count of 2 or 5 ends every long run.
-INFRASTRUCTURE = ("lost", "preempted", "hardware", "communication", "hang")
 DEFAULT_POLICY: dict[str, dict[str, Any]] = {
     "lost": {"retries": None, "per_hour": 30, "delay_seconds": 0.0},
     "preempted": {"retries": None, "per_hour": 30, "delay_seconds": 0.0},
